@@ -1,0 +1,120 @@
+"""Route `--speculative-algorithm DFLASH` to sglang-dflash through SGLang's hook registry.
+
+`SGLANG_DFLASH_IMPL` selects the implementation: `sglang_dflash` (default) or
+`builtin` (SGLang's own DFLASH, kept selectable for comparison). Every SGLang symbol
+we hook is checked against the signature we were written for; on a mismatch DFLASH
+is refused with an error naming the supported SGLang version instead of half-working.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_SGLANG = "0.5.17"
+IMPL_ENV = "SGLANG_DFLASH_IMPL"
+IMPLS = ("sglang_dflash", "builtin")
+
+# dotted path -> parameter names it must accept (in order, after self)
+EXPECTED_SIGNATURES = {
+    "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.create_worker": ["self", "server_args"],
+    "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.handle_server_args": ["self", "server_args"],
+    "sglang.srt.managers.tp_worker.TpModelWorker.__init__": [
+        "self", "server_args", "gpu_id", "ps", "nccl_port", "is_draft_worker"],
+    "sglang.srt.mem_cache.allocation.alloc_for_spec_decode": [
+        "tree_cache", "req_to_token_pool", "reqs", "req_pool_indices", "cur_kv_lens", "cur_kv_lens_cpu",
+        "nxt_kv_lens", "nxt_kv_lens_cpu", "num_needed_tokens", "batch"],
+    "sglang.srt.speculative.draft_worker_common.draft_server_args_overrides": [
+        "target_model_config", "draft_backend"],
+    "sglang.srt.model_executor.model_runner.ModelRunner.forward": ["self", "forward_batch"],
+    "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation": [
+        "self", "batch", "forward_batch", "pp_proxy_tensors", "is_verify", "skip_attn_backend_init",
+        "capture_hidden_mode"],
+}
+
+
+def selected_impl() -> str:
+    impl = os.environ.get(IMPL_ENV, "sglang_dflash").strip().lower()
+    if impl not in IMPLS:
+        raise ValueError(f"{IMPL_ENV}={impl!r} is not one of {IMPLS}.")
+    return impl
+
+
+def check_sglang_compat() -> list[str]:
+    """Return a list of problems (empty when every hooked symbol matches)."""
+    import pkgutil
+
+    import sglang
+
+    problems = []
+    version = getattr(sglang, "__version__", "unknown")
+    if version != SUPPORTED_SGLANG:
+        problems.append(f"sglang=={version} installed")
+    for path, expected in EXPECTED_SIGNATURES.items():
+        try:
+            obj = pkgutil.resolve_name(path)
+        except (ImportError, AttributeError) as e:
+            problems.append(f"{path} missing ({e})")
+            continue
+        params = list(inspect.signature(obj).parameters)
+        if params[: len(expected)] != expected and not set(expected) <= set(params):
+            problems.append(f"{path}{inspect.signature(obj)} (expected parameters {expected})")
+    return problems
+
+
+def install() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    impl = selected_impl()
+    problems = check_sglang_compat()
+    if problems:
+        message = (
+            f"sglang-dflash supports SGLang {SUPPORTED_SGLANG} only; this SGLang differs: "
+            + "; ".join(problems)
+            + f". Install sglang=={SUPPORTED_SGLANG}, or set {IMPL_ENV}=builtin to use SGLang's own DFLASH."
+        )
+
+        def refuse(original, cls, name):
+            if name is not None and name.upper() == "DFLASH" and selected_impl() != "builtin":
+                raise RuntimeError(message)
+            return original(cls, name)
+
+        HookRegistry.register(
+            "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.from_string", refuse, HookType.AROUND
+        )
+        logger.error(message)
+        return
+
+    HookRegistry.register(
+        "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.handle_server_args",
+        _handle_server_args, HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.create_worker",
+        _create_worker, HookType.AROUND,
+    )
+    logger.info("sglang-dflash plugin loaded: DFLASH -> %s (%s=%s)",
+                "sglang-dflash" if impl == "sglang_dflash" else "SGLang built-in", IMPL_ENV, impl)
+
+
+def _ours(algo) -> bool:
+    return algo.is_dflash() and selected_impl() == "sglang_dflash"
+
+
+def _handle_server_args(original, algo, server_args):
+    if not _ours(algo):
+        return original(algo, server_args)
+    from sglang_dflash.adapter.server_args import resolve_server_args
+
+    resolve_server_args(server_args)
+
+
+def _create_worker(original, algo, server_args):
+    if not _ours(algo):
+        return original(algo, server_args)
+    from sglang_dflash.adapter.worker import DFlashWorker
+
+    return DFlashWorker

@@ -1,0 +1,60 @@
+"""Server-argument resolution for DFLASH served by sglang-dflash (runs in the launcher)."""
+
+from __future__ import annotations
+
+import logging
+
+from sglang_dflash.config import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, DFlashConfigError, DFlashDraftConfig
+
+logger = logging.getLogger(__name__)
+
+_SUPPORTED_BACKENDS = ("flashinfer", "torch_native")
+
+
+def _fail(problem: str, fix: str):
+    raise ValueError(f"sglang-dflash: {problem}. {fix}")
+
+
+def resolve_server_args(server_args) -> None:
+    """Validate flags and the draft checkpoint; fix block size, steps and scheduling mode."""
+    if server_args.speculative_draft_model_path is None:
+        _fail("--speculative-algorithm DFLASH needs a draft model",
+              "Add --speculative-draft-model-path DIR (a z-lab format DFlash draft).")
+    try:
+        dcfg = DFlashDraftConfig.from_pretrained(server_args.speculative_draft_model_path)
+    except (DFlashConfigError, OSError) as e:
+        raise ValueError(f"sglang-dflash: cannot use draft {server_args.speculative_draft_model_path!r}: {e}") from e
+
+    if server_args.tp_size != 1 or server_args.pp_size != 1 or server_args.dp_size != 1:
+        _fail(f"tensor/pipeline/data parallel sizes {server_args.tp_size}/{server_args.pp_size}/"
+              f"{server_args.dp_size} are not supported yet", "Run with --tp-size 1 --pp-size 1 --dp-size 1.")
+    if server_args.page_size not in (None, 1):
+        _fail(f"--page-size {server_args.page_size} is not supported", "Use --page-size 1.")
+    if server_args.speculative_draft_window_size is not None:
+        _fail("--speculative-draft-window-size is not supported", "Remove the flag.")
+    backend = server_args.attention_backend
+    if backend is not None and backend not in _SUPPORTED_BACKENDS:
+        _fail(f"--attention-backend {backend} is not supported", f"Use one of {_SUPPORTED_BACKENDS}.")
+    if server_args.speculative_eagle_topk not in (None, 1) or server_args.speculative_num_steps not in (None, 1):
+        _fail("DFLASH verifies one linear block: --speculative-eagle-topk/--speculative-num-steps must be 1",
+              "Remove those flags.")
+
+    block = server_args.speculative_dflash_block_size or server_args.speculative_num_draft_tokens
+    if (server_args.speculative_dflash_block_size and server_args.speculative_num_draft_tokens
+            and server_args.speculative_dflash_block_size != server_args.speculative_num_draft_tokens):
+        _fail("--speculative-dflash-block-size and --speculative-num-draft-tokens differ", "Pass only one of them.")
+    block = int(block or dcfg.block_size)
+    if not MIN_BLOCK_SIZE <= block <= MAX_BLOCK_SIZE:
+        _fail(f"block size {block} is out of range [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]",
+              "Pass --speculative-dflash-block-size within that range.")
+    if block > dcfg.block_size:
+        logger.warning("sglang-dflash: block size %d exceeds the %d the draft was trained with.", block,
+                       dcfg.block_size)
+
+    server_args.speculative_num_steps = 1
+    server_args.speculative_eagle_topk = 1
+    server_args.speculative_num_draft_tokens = block
+    server_args.speculative_dflash_block_size = block
+    if not server_args.disable_overlap_schedule:
+        logger.info("sglang-dflash: DFLASH runs the synchronous scheduler; overlap scheduling disabled.")
+        server_args.disable_overlap_schedule = True

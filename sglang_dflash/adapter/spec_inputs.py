@@ -1,0 +1,125 @@
+"""Per-batch speculative state that SGLang's scheduler carries between DFLASH steps.
+
+`DFlashDraftState` rides on `ScheduleBatch.spec_info` between steps: the bonus token
+of every request (committed, but its KV not yet written) and the KV reservation the
+scheduler made for the next verify block. `DFlashBlockInput` is the `spec_info` of
+the two per-step forwards (draft block, target verify): both are linear blocks of
+`block_size` tokens per request appended after `seq_lens` committed tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+from sglang.kernels.ops.attention.utils import create_flashinfer_kv_indices_triton
+from sglang.srt.mem_cache.allocation import alloc_for_spec_decode
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+from sglang.srt.speculative.spec_info import SpecInput, SpecInputType
+
+
+@dataclass
+class DFlashDraftState(SpecInput):
+    """Carried state: `bonus_tokens [bs]` (int64), one per request."""
+
+    bonus_tokens: torch.Tensor
+    block_size: int
+    reserved_seq_lens_cpu: Optional[torch.Tensor] = None
+    future_indices: Optional[torch.Tensor] = None
+
+    def __post_init__(self):
+        super().__init__(spec_input_type=SpecInputType.DFLASH_DRAFT)
+        self.num_tokens_per_req = 1
+        self.num_tokens_for_logprob_per_req = 1
+
+    def prepare_for_decode(self, batch) -> None:
+        """Reserve KV slots so `req_to_token[r, seq_len : seq_len + block_size]` exist.
+
+        Each request keeps at least two blocks of headroom past its committed length,
+        so a step never allocates inside the forward.
+        """
+        bs = batch.batch_size()
+        if bs == 0:
+            return
+        committed = [int(r.kv_committed_len) for r in batch.reqs]
+        allocated = [int(r.kv.kv_allocated_len) for r in batch.reqs]
+        reserved = [max(a, c + 2 * self.block_size) for a, c in zip(allocated, committed)]
+        cur_cpu = torch.tensor(allocated, dtype=torch.int32)
+        nxt_cpu = torch.tensor(reserved, dtype=torch.int32)
+        alloc_for_spec_decode(
+            batch.tree_cache,
+            batch.req_to_token_pool,
+            reqs=batch.reqs,
+            req_pool_indices=batch.req_pool_indices,
+            cur_kv_lens=cur_cpu.to(batch.device, non_blocking=True),
+            cur_kv_lens_cpu=cur_cpu,
+            nxt_kv_lens=nxt_cpu.to(batch.device, non_blocking=True),
+            nxt_kv_lens_cpu=nxt_cpu,
+            num_needed_tokens=sum(reserved) - sum(allocated),
+            batch=batch,
+        )
+        batch.seq_lens_cpu = torch.tensor(committed, dtype=torch.int64)
+        batch.seq_lens_sum = sum(committed)
+        self.reserved_seq_lens_cpu = nxt_cpu
+
+    def filter_batch(self, new_indices: torch.Tensor, new_indices_cpu: Optional[List[int]] = None):
+        keep_cpu = new_indices_cpu if new_indices_cpu is not None else new_indices.cpu()
+        if self.reserved_seq_lens_cpu is not None:
+            self.reserved_seq_lens_cpu = self.reserved_seq_lens_cpu[keep_cpu]
+        self.bonus_tokens = self.bonus_tokens[new_indices]
+
+    def merge_batch(self, other: "DFlashDraftState"):
+        if self.reserved_seq_lens_cpu is not None and other.reserved_seq_lens_cpu is not None:
+            self.reserved_seq_lens_cpu = torch.cat([self.reserved_seq_lens_cpu, other.reserved_seq_lens_cpu])
+        else:
+            self.reserved_seq_lens_cpu = None
+        self.bonus_tokens = torch.cat([self.bonus_tokens, other.bonus_tokens])
+
+
+@dataclass
+class DFlashBlockInput(SpecInput):
+    """`spec_info` of a TARGET_VERIFY-mode forward over one linear block per request.
+
+    Used for both the draft forward (its ENCODER_ONLY layers make the block
+    bidirectional) and the target verify (causal: no custom mask, no tree).
+    `draft_token [bs * block_size]`, `positions [bs * block_size]`.
+    """
+
+    draft_token: torch.Tensor
+    positions: torch.Tensor
+    draft_token_num: int
+    capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.FULL
+    topk: int = 1
+    custom_mask: Optional[torch.Tensor] = None
+
+    def __post_init__(self):
+        super().__init__(spec_input_type=SpecInputType.DFLASH_VERIFY)
+        self.num_tokens_per_req = int(self.draft_token_num)
+        self.num_tokens_for_logprob_per_req = int(self.draft_token_num)
+
+    def generate_attn_arg_prefill(
+        self,
+        req_pool_indices: torch.Tensor,
+        paged_kernel_lens: torch.Tensor,
+        paged_kernel_lens_sum: int,
+        req_to_token: torch.Tensor,
+        kv_start_idx: Optional[torch.Tensor] = None,
+    ):
+        """Paged-KV layout for FlashInfer: each request's KV = its prefix + the block."""
+        bs = len(req_pool_indices)
+        device = req_pool_indices.device
+        qo_indptr = torch.arange(
+            0, (bs + 1) * self.draft_token_num, step=self.draft_token_num, dtype=torch.int32, device=device
+        )
+        kv_lens = paged_kernel_lens + self.draft_token_num
+        kv_indptr = torch.zeros((bs + 1,), dtype=torch.int32, device=device)
+        kv_indptr[1:] = torch.cumsum(kv_lens, dim=0)
+        kv_indices = torch.empty(
+            paged_kernel_lens_sum + self.draft_token_num * bs, dtype=torch.int32, device=device
+        )
+        create_flashinfer_kv_indices_triton[(bs,)](
+            req_to_token, req_pool_indices, kv_lens, kv_indptr, kv_start_idx, kv_indices, req_to_token.size(1)
+        )
+        return kv_indices, kv_indptr, qo_indptr, None

@@ -1,0 +1,227 @@
+"""`DFlashWorker`: the speculative worker SGLang's scheduler drives for DFLASH.
+
+One decode step, one method per phase:
+
+    build_block -> draft -> verify -> accept -> commit_kv
+
+* build_block: `[bonus, MASK x (B-1)]` per request at positions `seq_len + arange(B)`,
+  slots gathered from the reservation in `req_to_token` (one Triton launch).
+* draft: one forward of the draft model over the block (bidirectional inside the
+  block, attending to the draft KV of the context); draft tokens = argmax of the
+  target's lm_head on block positions 1..B-1.
+* verify: one TARGET_VERIFY forward of the target over the B tokens (causal, no tree).
+* accept: greedy or exact rejection sampling (`sglang_dflash.verify`), then the
+  accept kernel packs `accept_lens`, `bonus_tokens`, committed tokens, new `seq_lens`.
+* commit_kv: the draft's context K/V for the block tokens, from the target hidden
+  states captured during verify, written at the verify slots (rows past the commit
+  point are overwritten by the next block before anything reads them).
+
+Prefill is the target's own extend with hidden-state capture, followed by
+`commit_kv` for the prompt tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from copy import deepcopy
+
+import torch
+
+from sglang.srt.managers.tp_worker import TpModelWorker
+from sglang.srt.managers.utils import GenerationBatchResult
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+from sglang.srt.models.registry import ModelRegistry
+from sglang.srt.runtime_context import get_context
+from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+from sglang.srt.speculative.draft_worker_common import draft_server_args_overrides
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+from sglang_dflash.adapter.draft_model import SGLangDFlashDraft
+from sglang_dflash.adapter.spec_inputs import DFlashBlockInput, DFlashDraftState
+from sglang_dflash.config import DFlashDraftConfig
+from sglang_dflash.kernels.accept import accept_tokens
+from sglang_dflash.kernels.block_builder import build_block
+from sglang_dflash.verify import sample_predictions, target_probs
+
+logger = logging.getLogger(__name__)
+
+# Attention backends whose TARGET_VERIFY path reads `seq_lens` as the committed prefix
+# (the block is added by `generate_attn_arg_prefill`); torch_native reads it as the
+# full KV length and needs extend_prefix_lens / extend_seq_lens.
+_PAGED_VERIFY_BACKENDS = ("flashinfer", "fa3", "triton")
+
+
+class DFlashWorker(BaseSpecWorker):
+    def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker: TpModelWorker):
+        super().__init__()
+        self._target_worker = target_worker
+        self.target_runner = target_worker.model_runner
+        self.device = target_worker.device
+        self.block_size = int(server_args.speculative_num_draft_tokens)
+
+        self.dcfg = DFlashDraftConfig.from_pretrained(server_args.speculative_draft_model_path)
+        self.dcfg.validate_target(self.target_runner.model_config.hf_config)
+        target = self.target_runner.model
+        if not hasattr(target, "set_dflash_layers_to_capture"):
+            raise ValueError(
+                f"sglang-dflash: target architecture {type(target).__name__} cannot expose the hidden "
+                "states of intermediate layers (no set_dflash_layers_to_capture). Use a Llama/Qwen-family target."
+            )
+        target.set_dflash_layers_to_capture(list(self.dcfg.target_layer_ids))
+        self.embed = target.get_input_embeddings()
+        self.lm_head_weight = target.lm_head.weight
+        self.mask_token_id = int(self.dcfg.mask_token_id)
+
+        self.backend = server_args.attention_backend or "flashinfer"
+        self.paged_verify = self.backend in _PAGED_VERIFY_BACKENDS
+        self._draft_worker = self._build_draft_worker(server_args, gpu_id, ps, nccl_port)
+        self.draft_runner = self._draft_worker.model_runner
+        self.draft_model: SGLangDFlashDraft = self.draft_runner.model
+        logger.info(
+            "DFLASH served by sglang-dflash (block_size=%d, target_layer_ids=%s, mask_token_id=%d, "
+            "attention_backend=%s)",
+            self.block_size, list(self.dcfg.target_layer_ids), self.mask_token_id, self.backend,
+        )
+
+    def _build_draft_worker(self, server_args, gpu_id, ps, nccl_port) -> TpModelWorker:
+        """A draft TpModelWorker whose model class is ours and whose KV pool shares slots."""
+        ModelRegistry.models["DFlashDraftModel"] = SGLangDFlashDraft
+        draft_args = deepcopy(server_args)
+        draft_args.override(
+            "sglang_dflash.draft_worker",
+            **draft_server_args_overrides(self.target_runner.model_config, self.backend),
+        )
+        with get_context().preserve_config():
+            get_context().set_server_args(draft_args)
+            return TpModelWorker(server_args=draft_args, gpu_id=gpu_id, ps=ps, nccl_port=nccl_port,
+                                 is_draft_worker=True)
+
+    # ---- SGLang worker plumbing -------------------------------------------------------
+    @property
+    def spec_v2_attn_backends(self) -> tuple:
+        return (self.target_runner.attn_backend, self.draft_runner.attn_backend)
+
+    def alloc_memory_pool(self, memory_pool_config=None, req_to_token_pool=None, token_to_kv_pool_allocator=None):
+        self._draft_worker.alloc_memory_pool(
+            memory_pool_config=memory_pool_config,
+            req_to_token_pool=req_to_token_pool,
+            token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+        )
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+
+    # ---- the step ---------------------------------------------------------------------
+    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None) -> GenerationBatchResult:
+        if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+            return self.prefill(batch)
+        if batch.forward_mode.is_idle() or batch.batch_size() == 0:
+            return self.idle()
+        state: DFlashDraftState = batch.spec_info
+        block = self.build_block(batch, state)
+        draft_tokens = self.draft(batch, block)
+        logits_output, can_run_graph = self.verify(batch, block, draft_tokens)
+        accept_lens, bonus, committed, new_seq_lens = self.accept(batch, draft_tokens, logits_output)
+        self.commit_kv(logits_output.hidden_states, block.positions, block.out_cache_loc)
+        logits_output.hidden_states = None
+        return GenerationBatchResult(
+            logits_output=logits_output,
+            next_token_ids=committed.reshape(-1),
+            accept_lens=(accept_lens + 1).to(torch.int32),
+            can_run_cuda_graph=can_run_graph,
+            next_draft_input=DFlashDraftState(bonus_tokens=bonus, block_size=self.block_size),
+            speculative_num_draft_tokens=self.block_size,
+            new_seq_lens=new_seq_lens,
+        )
+
+    def prefill(self, batch) -> GenerationBatchResult:
+        out = self.target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
+        prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64)
+        lens = torch.tensor(batch.extend_lens, dtype=torch.int64)
+        positions = torch.repeat_interleave(prefix, lens) + (
+            torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+        )
+        self.commit_kv(out.logits_output.hidden_states, positions.to(self.device), batch.out_cache_loc)
+        out.logits_output.hidden_states = None
+        out.new_seq_lens = batch.seq_lens
+        out.next_draft_input = DFlashDraftState(bonus_tokens=out.next_token_ids.to(torch.int64),
+                                                block_size=self.block_size)
+        return out
+
+    def idle(self) -> GenerationBatchResult:
+        empty = torch.empty((0,), dtype=torch.int64, device=self.device)
+        return GenerationBatchResult(
+            next_token_ids=empty, accept_lens=empty.to(torch.int32), new_seq_lens=empty,
+            next_draft_input=DFlashDraftState(bonus_tokens=empty, block_size=self.block_size),
+            speculative_num_draft_tokens=self.block_size,
+        )
+
+    def build_block(self, batch, state: DFlashDraftState) -> "_Block":
+        input_ids, positions, out_cache_loc = build_block(
+            state.bonus_tokens, batch.seq_lens.to(torch.int64), self.block_size, self.mask_token_id,
+            self.target_runner.req_to_token_pool.req_to_token, batch.req_pool_indices.to(torch.int64),
+        )
+        return _Block(input_ids, positions, out_cache_loc)
+
+    def _forward_batch(self, batch, block: "_Block", input_ids, runner, capture) -> ForwardBatch:
+        """TARGET_VERIFY-mode ForwardBatch over one block per request."""
+        bs, B = batch.batch_size(), self.block_size
+        prefix_cpu = batch.seq_lens_cpu.to(torch.int64)
+        if self.paged_verify:
+            seq_lens, seq_lens_cpu = batch.seq_lens, prefix_cpu + B
+        else:
+            seq_lens, seq_lens_cpu = batch.seq_lens + B, prefix_cpu + B
+        spec_info = DFlashBlockInput(draft_token=input_ids, positions=block.positions, draft_token_num=B,
+                                     capture_hidden_mode=capture)
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=input_ids,
+            req_pool_indices=batch.req_pool_indices, seq_lens=seq_lens, out_cache_loc=block.out_cache_loc,
+            seq_lens_sum=int(seq_lens_cpu.sum()), seq_lens_cpu=seq_lens_cpu, positions=block.positions,
+            spec_algorithm=SpeculativeAlgorithm.DFLASH, spec_info=spec_info, capture_hidden_mode=capture,
+            sampling_info=batch.sampling_info,
+        )
+        if not self.paged_verify:
+            fb.extend_prefix_lens = batch.seq_lens.to(torch.int32)
+            fb.extend_seq_lens = torch.full((bs,), B, dtype=torch.int32, device=self.device)
+            fb.extend_prefix_lens_cpu = prefix_cpu.tolist()
+            fb.extend_seq_lens_cpu = [B] * bs
+            fb.extend_num_tokens = bs * B
+        return fb
+
+    def draft(self, batch, block: "_Block") -> torch.Tensor:
+        """-> draft_tokens [bs, B]: column 0 = bonus token, 1.. = draft proposals."""
+        fb = self._forward_batch(batch, block, block.input_ids, self.draft_runner, CaptureHiddenMode.NULL)
+        fb.input_embeds = self.embed(block.input_ids)
+        hidden = self.draft_runner.forward(fb).logits_output.hidden_states
+        bs, B = batch.batch_size(), self.block_size
+        hidden = hidden.view(bs, B, -1)[:, 1:]
+        proposals = torch.matmul(hidden, self.lm_head_weight.t()).argmax(dim=-1)
+        return torch.cat([block.input_ids.view(bs, B)[:, :1], proposals], dim=1)
+
+    def verify(self, batch, block: "_Block", draft_tokens: torch.Tensor):
+        fb = self._forward_batch(batch, block, draft_tokens.reshape(-1), self.target_runner, CaptureHiddenMode.FULL)
+        out = self.target_runner.forward(fb)
+        return out.logits_output, out.can_run_graph
+
+    def accept(self, batch, draft_tokens: torch.Tensor, logits_output):
+        bs, B = draft_tokens.shape
+        logits = logits_output.next_token_logits.view(bs, B, -1)
+        info = batch.sampling_info
+        if info.is_all_greedy:
+            target_tokens = logits.argmax(dim=-1)
+        else:
+            probs = target_probs(logits, info.temperatures.view(-1), info.top_ks.view(-1),
+                                 info.top_ps.view(-1), info.min_ps.view(-1))
+            target_tokens = sample_predictions(draft_tokens, probs)
+        return accept_tokens(draft_tokens, target_tokens, batch.seq_lens.to(torch.int64))
+
+    def commit_kv(self, aux_hidden: torch.Tensor, positions: torch.Tensor, cache_loc: torch.Tensor) -> None:
+        self.draft_model.write_context_kv(aux_hidden, positions, cache_loc, self.draft_runner.token_to_kv_pool)
+
+
+class _Block:
+    """input_ids / positions / out_cache_loc, each [bs * block_size]."""
+
+    __slots__ = ("input_ids", "positions", "out_cache_loc")
+
+    def __init__(self, input_ids, positions, out_cache_loc):
+        self.input_ids, self.positions, self.out_cache_loc = input_ids, positions, out_cache_loc
