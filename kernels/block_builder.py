@@ -1,0 +1,225 @@
+"""Build the DFlash verify block for a ragged batch and register its KV-cache slots.
+
+For request ``i`` with ``seq_lens[i]`` tokens already in the KV cache (the last committed token
+is NOT among them yet), the block is::
+
+    input_ids[i*B : (i+1)*B] = [last_tokens[i], MASK, ..., MASK]
+    positions[i*B : (i+1)*B] = seq_lens[i] + arange(B)
+    req_to_token[req_pool_indices[i], seq_lens[i] + j] = out_cache_loc[i*B + j]   (j < B)
+
+The last write registers the verify cache slots so the target's block forward can attend to them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang_dflash.config import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
+from sglang_dflash.kernels import use_triton
+
+__all__ = ["build_block_ref", "build_block"]
+
+_INT32_MAX = 2**31 - 1
+
+
+def build_block_ref(
+    last_tokens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    mask_token_id: int,
+    out_cache_loc: Optional[torch.Tensor] = None,
+    req_to_token: Optional[torch.Tensor] = None,
+    req_pool_indices: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch specification of :func:`build_block` (no input validation).
+
+    Args:
+        last_tokens: ``[b]`` int64, last committed token per request.
+        seq_lens: ``[b]`` int64, tokens already in the KV cache per request.
+        block_size: ``B``.
+        mask_token_id: id filling block positions ``1..B-1``.
+        out_cache_loc: ``[b*B]`` int64 verify cache slots, or None (no slot writing).
+        req_to_token: ``[R, max_ctx]`` int32, written in place, or None.
+        req_pool_indices: ``[b]`` int64 rows of ``req_to_token``, or None.
+
+    Returns:
+        input_ids ``[b*B]`` int64, positions ``[b*B]`` int64.
+    """
+    b = last_tokens.shape[0]
+    offsets = torch.arange(block_size, device=last_tokens.device, dtype=torch.int64)
+    input_ids = torch.full((b, block_size), mask_token_id, dtype=torch.int64, device=last_tokens.device)
+    input_ids[:, 0] = last_tokens
+    positions = seq_lens.to(torch.int64).unsqueeze(1) + offsets
+    if req_to_token is not None:
+        rows = req_pool_indices.to(torch.int64).unsqueeze(1).expand(b, block_size)
+        req_to_token[rows, positions] = out_cache_loc.view(b, block_size).to(req_to_token.dtype)
+    return input_ids.reshape(-1), positions.reshape(-1)
+
+
+@triton.jit(do_not_specialize=["mask_token_id"])
+def _build_block_kernel(
+    last_tokens_ptr,
+    seq_lens_ptr,
+    input_ids_ptr,
+    positions_ptr,
+    out_cache_loc_ptr,
+    req_to_token_ptr,
+    req_pool_indices_ptr,
+    req_to_token_stride,
+    mask_token_id,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_P2: tl.constexpr,
+    WRITE_SLOTS: tl.constexpr,
+):
+    """One program per request; lanes ``0..BLOCK_P2-1`` cover the block (masked to BLOCK_SIZE)."""
+    req = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_P2)
+    in_block = offs < BLOCK_SIZE
+    base = req * BLOCK_SIZE
+
+    last = tl.load(last_tokens_ptr + req)
+    seq_len = tl.load(seq_lens_ptr + req)
+    ids = tl.where(offs == 0, last, mask_token_id).to(tl.int64)
+    pos = seq_len + offs.to(tl.int64)
+    tl.store(input_ids_ptr + base + offs, ids, mask=in_block)
+    tl.store(positions_ptr + base + offs, pos, mask=in_block)
+
+    if WRITE_SLOTS:
+        row = tl.load(req_pool_indices_ptr + req)
+        loc = tl.load(out_cache_loc_ptr + base + offs, mask=in_block, other=0)
+        tl.store(req_to_token_ptr + row * req_to_token_stride + pos, loc.to(tl.int32), mask=in_block)
+
+
+def _check_1d(name: str, t: torch.Tensor, length: int, dtype: torch.dtype, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}; convert it with .to({dtype})")
+    if t.shape != (length,):
+        raise ValueError(f"{name} must have shape ({length},), got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but last_tokens is on {device}; put all inputs on one device")
+
+
+def _raise_first_violation(checks: list[tuple[str, torch.Tensor]]) -> None:
+    """Raise ValueError with the message of the first check whose bool scalar is True (one sync)."""
+    flags = torch.stack([flag for _, flag in checks]).cpu()
+    for (message, _), bad in zip(checks, flags.tolist()):
+        if bad:
+            raise ValueError(message)
+
+
+def _validate(last_tokens, seq_lens, block_size, mask_token_id, out_cache_loc, req_to_token,
+              req_pool_indices, out, check_values) -> None:
+    if not isinstance(last_tokens, torch.Tensor) or last_tokens.dim() != 1:
+        raise ValueError("last_tokens must be a 1-D int64 tensor [batch]")
+    b, device = last_tokens.shape[0], last_tokens.device
+    _check_1d("last_tokens", last_tokens, b, torch.int64, device)
+    _check_1d("seq_lens", seq_lens, b, torch.int64, device)
+    if not isinstance(block_size, int) or not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"block_size must be an int in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], got {block_size!r}")
+    if not isinstance(mask_token_id, int) or mask_token_id < 0:
+        raise ValueError(f"mask_token_id must be a non-negative int token id, got {mask_token_id!r}")
+
+    slot_args = (out_cache_loc, req_to_token, req_pool_indices)
+    write_slots = req_to_token is not None
+    if any(a is None for a in slot_args) and not all(a is None for a in slot_args):
+        raise ValueError("out_cache_loc, req_to_token and req_pool_indices go together: pass all three to "
+                         "register the verify cache slots, or none of them to only build input_ids/positions")
+    if write_slots:
+        _check_1d("out_cache_loc", out_cache_loc, b * block_size, torch.int64, device)
+        _check_1d("req_pool_indices", req_pool_indices, b, torch.int64, device)
+        if req_to_token.dim() != 2 or req_to_token.dtype != torch.int32:
+            raise ValueError(f"req_to_token must be a 2-D int32 tensor [pool_size, max_context_len], got "
+                             f"{req_to_token.dtype} of shape {tuple(req_to_token.shape)}")
+        if req_to_token.device != device:
+            raise ValueError(f"req_to_token is on {req_to_token.device} but last_tokens is on {device}")
+        if req_to_token.stride(1) != 1:
+            raise ValueError("req_to_token must have unit stride along the token dim (it is written in place); "
+                             "pass the contiguous pool tensor, not a transposed view")
+    if out is not None:
+        if len(out) != 2:
+            raise ValueError("out must be a tuple (input_ids, positions)")
+        for name, t in zip(("out input_ids", "out positions"), out):
+            _check_1d(name, t, b * block_size, torch.int64, device)
+            if not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous")
+
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if not check_values or capturing or b == 0:
+        return
+    checks = [("seq_lens must be >= 0 (tokens already in the KV cache)", (seq_lens < 0).any())]
+    if write_slots:
+        pool_size, max_ctx = req_to_token.shape
+        checks += [
+            (f"req_pool_indices must be in [0, {pool_size}) (rows of req_to_token)",
+             ((req_pool_indices < 0) | (req_pool_indices >= pool_size)).any()),
+            (f"seq_lens + block_size must be <= req_to_token.shape[1] = {max_ctx}; the verify block would be "
+             f"written past the request's context (raise the context length or lower block_size)",
+             (seq_lens + block_size > max_ctx).any()),
+            (f"out_cache_loc must be in [0, {_INT32_MAX}] to fit req_to_token's int32 entries",
+             ((out_cache_loc < 0) | (out_cache_loc > _INT32_MAX)).any()),
+        ]
+    _raise_first_violation(checks)
+
+
+def build_block(
+    last_tokens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    mask_token_id: int,
+    out_cache_loc: Optional[torch.Tensor] = None,
+    req_to_token: Optional[torch.Tensor] = None,
+    req_pool_indices: Optional[torch.Tensor] = None,
+    *,
+    out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    check_values: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Build verify blocks for the whole batch in one launch (see module docstring and
+    :func:`build_block_ref` for shapes).
+
+    Dispatches to the Triton kernel on CUDA or under ``TRITON_INTERPRET=1``, else to the ref.
+    ``out=(input_ids, positions)`` optionally supplies ``[b*B]`` int64 output buffers.
+    ``check_values`` checks index ranges (one device sync); it is skipped while a CUDA graph is
+    being captured.
+
+    Returns:
+        input_ids ``[b*B]`` int64, positions ``[b*B]`` int64.
+    """
+    _validate(last_tokens, seq_lens, block_size, mask_token_id, out_cache_loc, req_to_token,
+              req_pool_indices, out, check_values)
+    b, device = last_tokens.shape[0], last_tokens.device
+    if not use_triton(device):
+        input_ids, positions = build_block_ref(last_tokens, seq_lens, block_size, mask_token_id,
+                                               out_cache_loc, req_to_token, req_pool_indices)
+        if out is None:
+            return input_ids, positions
+        out[0].copy_(input_ids)
+        out[1].copy_(positions)
+        return out[0], out[1]
+
+    if out is None:
+        out = (torch.empty(b * block_size, dtype=torch.int64, device=device),
+               torch.empty(b * block_size, dtype=torch.int64, device=device))
+    if b == 0:
+        return out[0], out[1]
+    write_slots = req_to_token is not None
+    _build_block_kernel[(b,)](
+        last_tokens.contiguous(),
+        seq_lens.contiguous(),
+        out[0],
+        out[1],
+        out_cache_loc.contiguous() if write_slots else last_tokens,
+        req_to_token if write_slots else last_tokens,
+        req_pool_indices.contiguous() if write_slots else last_tokens,
+        req_to_token.stride(0) if write_slots else 0,
+        mask_token_id,
+        BLOCK_SIZE=block_size,
+        BLOCK_P2=triton.next_power_of_2(block_size),
+        WRITE_SLOTS=write_slots,
+    )
+    return out[0], out[1]

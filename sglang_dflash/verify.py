@@ -1,0 +1,160 @@
+"""Linear-block verification rules for DFlash (torch only).
+
+A verify block row is ``[last committed token, d_1, ..., d_{B-1}]``. The target runs one
+forward over the row; its output at position ``i`` predicts the token after ``d_i``
+(``d_0`` = the last committed token). Position ``i`` (0..B-2) is checked against draft token
+``d_{i+1}``; position ``B-1`` only ever supplies a bonus token.
+
+Both greedy and sampling verification produce ``target_tokens [b, B]`` and then share ONE
+acceptance rule (:func:`accept`): ``accept_lens[r]`` = number of leading ``i`` with
+``d_{i+1} == target_tokens[r, i]``, ``bonus_tokens[r] = target_tokens[r, accept_lens[r]]``,
+committed tokens = ``d_1 .. d_{accept_len}, bonus``. For greedy, ``target_tokens`` is the argmax;
+for sampling, :func:`sample_predictions` applies the exact rejection rule for a point-mass draft,
+which makes the committed tokens distributed exactly as sampling from the target alone.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = ["target_probs", "greedy_predictions", "sample_predictions", "accept"]
+
+
+def _check_per_request(name: str, t: torch.Tensor, b: int, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor) or t.shape != (b,):
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be a tensor of shape [batch]=({b},), got {got}; "
+                         f"pass one value per request")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but logits are on {device}; move it to {device}")
+
+
+def target_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """Target sampling distribution after SGLang's filtering rule (the one copy of it).
+
+    Args:
+        logits: ``[b, V]`` or ``[b, B, V]`` (any number of middle dims); float.
+        temperature: ``[b]``; ``0`` means greedy (the row becomes one-hot at the argmax).
+        top_k: ``[b]`` integer; keep the ``top_k`` most likely tokens (``< 1`` or ``>= V``: all).
+        top_p: ``[b]`` in ``(0, 1]``; keep a token if the mass of strictly more likely tokens
+            (in sorted order) is ``<= top_p`` (SGLang's rule; the most likely token is always kept).
+        min_p: ``[b]`` in ``[0, 1]``; keep a token if its prob ``>= min_p * max prob``.
+
+    Order: ``softmax(logits / temperature)``, then the top-k, top-p and min-p masks (all computed
+    on that softmax), then renormalise.
+
+    Returns:
+        probs: float32, same shape as ``logits``; each row sums to 1.
+    """
+    if logits.dim() < 2:
+        raise ValueError(f"logits must be [batch, ..., vocab], got shape {tuple(logits.shape)}")
+    b, vocab = logits.shape[0], logits.shape[-1]
+    for name, t in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
+        _check_per_request(name, t, b, logits.device)
+    bcast = (b,) + (1,) * (logits.dim() - 1)
+
+    temp = temperature.to(torch.float32).view(bcast)
+    greedy = temp <= 0
+    scaled = logits.to(torch.float32) / torch.where(greedy, torch.ones_like(temp), temp)
+    probs = torch.softmax(scaled, dim=-1)
+
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=logits.device)
+    k = top_k.view(bcast).to(torch.int64)
+    k = torch.where((k < 1) | (k > vocab), torch.full_like(k, vocab), k)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep_sorted = (
+        (rank < k)
+        & (mass_before <= top_p.to(torch.float32).view(bcast))
+        & (sorted_probs >= min_p.to(torch.float32).view(bcast) * sorted_probs[..., :1])
+    )
+    keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    probs = probs.masked_fill(~keep, 0.0)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+
+    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(greedy, one_hot, probs)
+
+
+def greedy_predictions(target_logits: torch.Tensor) -> torch.Tensor:
+    """Greedy target tokens: ``target_logits [b, B, V] -> target_tokens [b, B]`` int64 (argmax)."""
+    if target_logits.dim() != 3:
+        raise ValueError(f"target_logits must be [batch, block_size, vocab], got shape "
+                         f"{tuple(target_logits.shape)}")
+    return target_logits.argmax(dim=-1).to(torch.int64)
+
+
+def sample_predictions(
+    draft_tokens: torch.Tensor,
+    probs: torch.Tensor,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """Exact rejection sampling of target tokens for a point-mass (deterministic) draft.
+
+    At position ``i`` in ``0..B-2`` with draft token ``x = d_{i+1}``: keep ``x`` with probability
+    ``p_i(x)``; otherwise draw from ``p_i`` with ``x`` removed and renormalised. Position ``B-1``
+    is drawn from ``p_{B-1}``. Each ``target_tokens[:, i]`` is therefore distributed exactly as
+    ``p_i``, and equals ``x`` with the largest possible probability; :func:`accept` then commits
+    tokens distributed exactly as the target's own sampling.
+
+    Args:
+        draft_tokens: ``[b, B]`` int64, the verify block rows (column 0 = last committed token).
+        probs: ``[b, B, V]`` target probabilities from :func:`target_probs` for those rows.
+        generator: optional ``torch.Generator`` on ``probs.device``.
+
+    Returns:
+        target_tokens: ``[b, B]`` int64.
+    """
+    if probs.dim() != 3 or draft_tokens.shape != probs.shape[:2]:
+        raise ValueError(f"draft_tokens must be [batch, block_size] and probs [batch, block_size, vocab]; "
+                         f"got {tuple(draft_tokens.shape)} and {tuple(probs.shape)}")
+    if draft_tokens.dtype != torch.int64:
+        raise ValueError(f"draft_tokens must be int64, got {draft_tokens.dtype}; use .long()")
+    b, block_size, _ = probs.shape
+
+    drafts = draft_tokens[:, 1:].unsqueeze(-1)  # [b, B-1, 1]
+    p_draft = probs[:, :-1].gather(-1, drafts).squeeze(-1)  # [b, B-1]
+    u = torch.rand((b, block_size - 1), generator=generator, device=probs.device, dtype=probs.dtype)
+    keep = u < p_draft
+
+    residual = probs.clone()
+    residual[:, :-1].scatter_(-1, drafts, 0.0)
+    # Exponential race: argmax_j q_j / E_j with E_j ~ Exp(1) is distributed as q / sum(q);
+    # zero-probability tokens score 0 and are never picked (E is clamped away from 0).
+    race = torch.empty_like(residual).exponential_(generator=generator)
+    race.clamp_(min=torch.finfo(race.dtype).tiny)
+    resampled = (residual / race).argmax(dim=-1)  # [b, B]
+
+    target_tokens = resampled
+    target_tokens[:, :-1] = torch.where(keep, draft_tokens[:, 1:], resampled[:, :-1])
+    return target_tokens
+
+
+def accept(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The acceptance rule shared by greedy and sampling verification.
+
+    Args:
+        draft_tokens: ``[b, B]`` verify block rows ``[last, d_1, ..., d_{B-1}]``.
+        target_tokens: ``[b, B]`` target predictions for those rows.
+
+    Returns:
+        accept_lens: ``[b]`` int64, number of leading ``i`` with ``d_{i+1} == target_tokens[:, i]``
+            (``0..B-1``).
+        bonus_tokens: ``[b]`` int64, ``target_tokens[:, accept_lens]``. Committed tokens are
+            ``d_1 .. d_{accept_len}`` followed by the bonus token.
+    """
+    if draft_tokens.dim() != 2 or draft_tokens.shape != target_tokens.shape:
+        raise ValueError(f"draft_tokens and target_tokens must both be [batch, block_size]; got "
+                         f"{tuple(draft_tokens.shape)} and {tuple(target_tokens.shape)}")
+    matches = draft_tokens[:, 1:] == target_tokens[:, :-1]
+    accept_lens = matches.to(torch.int64).cumprod(dim=-1).sum(dim=-1)
+    bonus_tokens = target_tokens.gather(1, accept_lens.unsqueeze(1)).squeeze(1).to(torch.int64)
+    return accept_lens, bonus_tokens
