@@ -1,0 +1,52 @@
+"""Shared fixtures: tiny random HF targets and matching DFlash draft configs (float32, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_dflash.config import DFlashDraftConfig
+
+TINY_VOCAB = 128
+TINY_MASK_ID = TINY_VOCAB - 1
+
+
+def make_tiny_target(family: str = "qwen3", seed: int = 0, **overrides):
+    """A random HF causal LM (``"qwen3"`` or ``"llama"``): 6 layers, hidden 32, GQA 4/2 heads, vocab 128."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    cls_cfg, cls_model = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[family]
+    kwargs = dict(
+        vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=512, rope_theta=10000.0,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+    )
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = cls_model(cls_cfg(**kwargs)).to(torch.float32).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def make_draft_config(target_config, num_hidden_layers: int = 2, block_size: int = 8, **overrides) -> DFlashDraftConfig:
+    """A draft config shaped like ``target_config`` with mask id = last vocab id."""
+    overrides.setdefault("torch_dtype", "float32")
+    return DFlashDraftConfig.from_target(
+        target_config, num_hidden_layers=num_hidden_layers, mask_token_id=TINY_MASK_ID, block_size=block_size,
+        **overrides,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3():
+    return make_tiny_target("qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return make_tiny_target("llama")
+
+
+@pytest.fixture
+def tiny_draft_config(tiny_qwen3) -> DFlashDraftConfig:
+    return make_draft_config(tiny_qwen3.config)
