@@ -1,0 +1,258 @@
+"""Verification rules: target filtering, greedy acceptance, and exactness of sampled verification."""
+
+import math
+
+import pytest
+import torch
+
+from sglang_dflash.verify import accept, greedy_predictions, sample_predictions, target_probs
+
+# ---------------------------------------------------------------------------------------------
+# target_probs: the one filtering rule
+# ---------------------------------------------------------------------------------------------
+
+BASE = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+
+
+def _probs(temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, logits=None):
+    logits = BASE.log().unsqueeze(0) if logits is None else logits
+    b = logits.shape[0]
+    return target_probs(logits, torch.full((b,), temperature), torch.full((b,), top_k, dtype=torch.int64),
+                        torch.full((b,), top_p), torch.full((b,), min_p))
+
+
+def _renorm(*vals):
+    t = torch.tensor(vals + (0.0,) * (5 - len(vals)))
+    return (t / t.sum()).unsqueeze(0)
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    ({}, _renorm(0.5, 0.2, 0.15, 0.1, 0.05)),
+    ({"top_k": 5}, _renorm(0.5, 0.2, 0.15, 0.1, 0.05)),
+    ({"top_k": 0}, _renorm(0.5, 0.2, 0.15, 0.1, 0.05)),
+    ({"top_k": 2}, _renorm(0.5, 0.2)),
+    ({"top_k": 1}, _renorm(0.5)),
+    ({"top_p": 0.69}, _renorm(0.5, 0.2)),       # mass before 3rd token is 0.7 > 0.69
+    ({"top_p": 0.72}, _renorm(0.5, 0.2, 0.15)),  # mass before 3rd is 0.7 <= 0.72, before 4th 0.85
+    ({"top_p": 0.1}, _renorm(0.5)),              # the most likely token is always kept
+    ({"min_p": 0.3}, _renorm(0.5, 0.2, 0.15)),   # threshold 0.15, kept inclusively
+    ({"min_p": 0.35}, _renorm(0.5, 0.2)),
+    ({"top_k": 4, "top_p": 0.72, "min_p": 0.35}, _renorm(0.5, 0.2)),
+    ({"temperature": 0.5}, _renorm(0.25, 0.04, 0.0225, 0.01, 0.0025)),
+    ({"temperature": 0.5, "top_k": 2}, _renorm(0.25, 0.04)),
+    ({"temperature": 0.0, "top_k": 3, "top_p": 0.5}, _renorm(1.0)),
+])
+def test_target_probs_filtering(kwargs, expected):
+    probs = _probs(**kwargs)
+    assert probs.dtype == torch.float32
+    torch.testing.assert_close(probs, expected, atol=1e-6, rtol=0)
+
+
+def test_target_probs_token_order_and_per_request_params():
+    # Permuted vocabulary (token j has prob BASE[perm[j]]), [b=2, B=3, V=5] logits, params per request.
+    perm = torch.tensor([3, 0, 4, 1, 2])
+    logits = BASE.log()[perm].expand(2, 3, 5).clone()
+    logits[1, 2] = torch.tensor([0.0, 1.0, 5.0, 2.0, 3.0])
+    probs = target_probs(logits, torch.tensor([1.0, 0.0]), torch.tensor([2, 3]), torch.tensor([1.0, 1.0]),
+                         torch.tensor([0.0, 0.0]))
+    top2 = torch.tensor([0.0, 5 / 7, 0.0, 2 / 7, 0.0])  # tokens 1 (p=0.5) and 3 (p=0.2)
+    torch.testing.assert_close(probs[0], top2.expand(3, 5), atol=1e-6, rtol=0)
+    greedy_rows = torch.tensor([[0.0, 1, 0, 0, 0], [0.0, 1, 0, 0, 0], [0.0, 0, 1, 0, 0]])
+    assert torch.equal(probs[1], greedy_rows)
+
+
+def test_target_probs_rejects_bad_param_shapes():
+    logits = torch.zeros(2, 4, 7)
+    ok = (torch.ones(2), torch.full((2,), -1), torch.ones(2), torch.zeros(2))
+    with pytest.raises(ValueError, match=r"temperature must be a tensor of shape \[batch\]=\(2,\)"):
+        target_probs(logits, torch.ones(3), *ok[1:])
+    with pytest.raises(ValueError, match="top_p must be a tensor"):
+        target_probs(logits, ok[0], ok[1], 0.9, ok[3])
+    with pytest.raises(ValueError, match=r"logits must be \[batch, \.\.\., vocab\]"):
+        target_probs(torch.zeros(7), *ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Greedy verification
+# ---------------------------------------------------------------------------------------------
+
+def test_greedy_accept_hand_built():
+    vocab = 10
+    blocks = torch.tensor([
+        [5, 1, 2, 3, 4],   # all four drafts match -> accept 4, bonus = target[4]
+        [5, 1, 2, 3, 4],   # d_1 wrong -> accept 0
+        [5, 1, 2, 3, 4],   # d_3 wrong -> accept 2
+        [5, 1, 2, 3, 4],   # d_1 wrong but later ones "match": still stops at 0
+        [0, 0, 0, 0, 0],   # repeated tokens, all match
+    ])
+    targets = torch.tensor([
+        [1, 2, 3, 4, 9],
+        [7, 2, 3, 4, 9],
+        [1, 2, 8, 4, 9],
+        [6, 2, 3, 4, 9],
+        [0, 0, 0, 0, 3],
+    ])
+    logits = torch.nn.functional.one_hot(targets, vocab).float() * 4.0 - 2.0
+    target_tokens = greedy_predictions(logits)
+    assert target_tokens.dtype == torch.int64
+    assert torch.equal(target_tokens, targets)
+    accept_lens, bonus_tokens = accept(blocks, target_tokens)
+    assert accept_lens.dtype == torch.int64 and bonus_tokens.dtype == torch.int64
+    assert accept_lens.tolist() == [4, 0, 2, 0, 4]
+    assert bonus_tokens.tolist() == [9, 7, 8, 6, 3]
+
+
+def test_greedy_predictions_rejects_2d():
+    with pytest.raises(ValueError, match=r"\[batch, block_size, vocab\]"):
+        greedy_predictions(torch.zeros(3, 5))
+
+
+def test_accept_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match="must both be"):
+        accept(torch.zeros(2, 4, dtype=torch.int64), torch.zeros(2, 5, dtype=torch.int64))
+
+
+def test_sampling_with_temperature_zero_is_greedy():
+    """One-hot probs (temperature 0) make the rejection rule reproduce greedy verification exactly,
+    also when mixed with sampled rows in one batch."""
+    gen = torch.Generator().manual_seed(0)
+    b, block_size, vocab = 64, 6, 11
+    logits = torch.randn(b, block_size, vocab, generator=gen)
+    greedy = greedy_predictions(logits)
+    drafts = torch.randint(0, vocab, (b, block_size), generator=gen)
+    drafts[::3, 1:] = greedy[::3, :-1]  # every third row fully right
+    temperature = torch.zeros(b)
+    temperature[1::2] = 1.0  # odd rows sample
+    probs = target_probs(logits, temperature, torch.full((b,), -1), torch.ones(b), torch.zeros(b))
+    target_tokens = sample_predictions(drafts, probs, gen)
+    assert target_tokens.dtype == torch.int64
+    even = torch.arange(0, b, 2)
+    assert torch.equal(target_tokens[even], greedy[even])
+    assert torch.equal(accept(drafts[even], target_tokens[even])[0], accept(drafts[even], greedy[even])[0])
+
+
+def test_sample_predictions_rejects_bad_inputs():
+    probs = torch.full((2, 4, 5), 0.2)
+    with pytest.raises(ValueError, match=r"draft_tokens must be \[batch, block_size\]"):
+        sample_predictions(torch.zeros(2, 3, dtype=torch.int64), probs)
+    with pytest.raises(ValueError, match="draft_tokens must be int64"):
+        sample_predictions(torch.zeros(2, 4, dtype=torch.int32), probs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling verification is exact: two emitted tokens vs the target's own joint distribution
+# ---------------------------------------------------------------------------------------------
+#
+# Toy target: a Markov chain over V=6 tokens, next-token logits TABLE[prev]. Every request starts
+# from token START and verifies a block [START, d_1, d_2] (B=3). The first two emitted tokens
+# (t1, t2) come from the committed tokens of that step, or, when only the bonus was committed, t2
+# is the first token emitted by a second verify step started from t1. Exactness means
+# P(t1, t2) = P[START, t1] * P[t1, t2] with P = target_probs(TABLE).
+#
+# Bound: for n draws of a K-cell distribution p, E[TV] <= 0.5 * sum_k sqrt(p_k (1 - p_k) / n)
+# (Jensen on each |empirical - p_k|). We assert TV < 4 * that. TV has bounded differences (1/n
+# per draw), so by McDiarmid P(TV > E[TV] + t) <= exp(-2 n t^2); with n = 200k and the slack
+# t = 3/4 of the asserted bound (>= 0.0048 in every case here), a correct rule fails a case with
+# probability < 1e-4 (and the seeds are fixed, so the outcome is deterministic). Observed TVs are
+# 0.001-0.004 against bounds of 0.006-0.021; the broken rules below give TV 0.18-0.97.
+
+V = 6
+START = 0
+N_DRAWS = 200_000
+TABLE = torch.randn(V, V, generator=torch.Generator().manual_seed(1234)) * 1.5
+FILTERS = {"none": (-1, 1.0, 0.0), "top_k_top_p_min_p": (4, 0.85, 0.05), "top_p": (-1, 0.7, 0.0)}
+
+
+def _params(n, temperature, filt):
+    top_k, top_p, min_p = FILTERS[filt]
+    return (torch.full((n,), temperature), torch.full((n,), top_k, dtype=torch.int64),
+            torch.full((n,), top_p), torch.full((n,), min_p))
+
+
+def _draft(prev, policy, step):
+    """Deterministic point-mass draft token after ``prev`` [n] for draft position ``step`` (1 or 2)."""
+    right = TABLE[prev].argmax(-1)
+    wrong = TABLE[prev].argmin(-1)  # least likely: filtered to zero prob whenever filtering is on
+    if policy == "right" or (policy == "half" and step == 1):
+        return right
+    if policy == "wrong" or policy == "half":
+        return wrong
+    assert policy == "scrambled"  # a fixed arbitrary function of the context
+    return (prev * 5 + step * 3 + 1) % V
+
+
+def _always_accept(drafts, probs, generator):
+    tokens = sample_predictions(drafts, probs, generator)
+    tokens[:, :-1] = drafts[:, 1:]
+    return tokens
+
+
+def _resample_without_removing_draft(drafts, probs, generator):
+    """Broken: on rejection draws from p_i itself instead of p_i with the draft token removed."""
+    b, block_size, _ = probs.shape
+    x = drafts[:, 1:]
+    keep = torch.rand(b, block_size - 1, generator=generator) < probs[:, :-1].gather(-1, x[..., None])[..., 0]
+    fresh = torch.multinomial(probs.view(-1, V), 1, generator=generator).view(b, block_size)
+    fresh[:, :-1] = torch.where(keep, x, fresh[:, :-1])
+    return fresh
+
+
+def _verify_step(last, policy, params, rule, gen):
+    """One verify step from ``last`` [n]; returns the block [n, 3], accept_lens [n], bonus [n]."""
+    d1 = _draft(last, policy, 1)
+    d2 = _draft(d1, policy, 2)
+    block = torch.stack([last, d1, d2], dim=1)
+    probs = target_probs(TABLE[block], *params)
+    accept_lens, bonus = accept(block, rule(block, probs, gen))
+    return block, accept_lens, bonus
+
+
+def _emitted_pairs(policy, temperature, filt, rule, n=N_DRAWS, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    params = _params(n, temperature, filt)
+    block, accept_lens, bonus = _verify_step(torch.full((n,), START), policy, params, rule, gen)
+    t1 = torch.where(accept_lens >= 1, block[:, 1], bonus)
+    _, accept_lens2, bonus2 = _verify_step(t1, policy, params, rule, gen)
+    second_step_first = torch.where(accept_lens2 >= 1, _draft(t1, policy, 1), bonus2)
+    t2 = torch.where(accept_lens >= 2, block[:, 2], torch.where(accept_lens == 1, bonus, second_step_first))
+    return t1, t2
+
+
+def _tv_and_bound(policy, temperature, filt, rule=sample_predictions):
+    t1, t2 = _emitted_pairs(policy, temperature, filt, rule)
+    empirical = torch.bincount(t1 * V + t2, minlength=V * V).double() / N_DRAWS
+    p = target_probs(TABLE, *_params(V, temperature, filt)).double()  # p[prev, next]
+    exact = (p[START].unsqueeze(1) * p).reshape(-1)
+    tv = 0.5 * (empirical - exact).abs().sum().item()
+    bound = 4 * 0.5 * (exact * (1 - exact) / N_DRAWS).sqrt().sum().item()
+    return tv, bound
+
+
+@pytest.mark.parametrize("filt", list(FILTERS))
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+@pytest.mark.parametrize("policy", ["right", "wrong", "half", "scrambled"])
+def test_sampled_verification_matches_target_distribution(policy, temperature, filt):
+    tv, bound = _tv_and_bound(policy, temperature, filt)
+    assert tv < bound, f"TV {tv:.5f} >= bound {bound:.5f}"
+
+
+def test_draft_policies_exercise_both_outcomes():
+    """The drafts above really get accepted and rejected (otherwise the test would be weak)."""
+    gen = torch.Generator().manual_seed(3)
+    params = _params(20_000, 1.0, "none")
+    last = torch.full((20_000,), START)
+    lens_right = _verify_step(last, "right", params, sample_predictions, gen)[1]
+    lens_half = _verify_step(last, "half", params, sample_predictions, gen)[1]
+    lens_wrong_filtered = _verify_step(last, "wrong", _params(20_000, 1.0, "top_k_top_p_min_p"),
+                                       sample_predictions, gen)[1]
+    assert set(lens_right.tolist()) == {0, 1, 2}
+    assert set(lens_half.tolist()) <= {0, 1, 2} and (lens_half >= 1).any() and (lens_half <= 1).any()
+    assert lens_wrong_filtered.eq(0).all()
+
+
+@pytest.mark.parametrize("rule", [_always_accept, _resample_without_removing_draft])
+@pytest.mark.parametrize("policy", ["right", "scrambled"])
+def test_bound_detects_broken_rules(rule, policy):
+    tv, bound = _tv_and_bound(policy, 1.0, "none", rule=rule)
+    assert tv > 2 * bound, f"broken rule {rule.__name__} not detected: TV {tv:.5f}, bound {bound:.5f}"
+    assert math.isfinite(tv)
