@@ -1,0 +1,1 @@
+"""Test harness that runs real ``sglang.launch_server`` processes on CPU."""

@@ -1,0 +1,87 @@
+"""Tiny random checkpoints with a real tokenizer, written to disk for server tests."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+# Files copied from a tokenizer directory; any that are absent are skipped.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+def copy_tokenizer(tokenizer_dir: str | Path, out_dir: str | Path) -> list[str]:
+    """Copy the tokenizer files of ``tokenizer_dir`` into ``out_dir``; returns the names copied."""
+    tokenizer_dir, out_dir = Path(tokenizer_dir), Path(out_dir)
+    copied = [n for n in TOKENIZER_FILES if (tokenizer_dir / n).is_file()]
+    if "tokenizer.json" not in copied:
+        raise FileNotFoundError(
+            f"{tokenizer_dir} has no tokenizer.json; pass a Hugging Face model directory "
+            "(e.g. sglang_dflash.assets.smollm2_path())"
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in copied:
+        shutil.copyfile(tokenizer_dir / name, out_dir / name)
+    return copied
+
+
+def make_tiny_llama(
+    out_dir: str | Path,
+    tokenizer_dir: str | Path,
+    seed: int = 0,
+    *,
+    hidden_size: int = 64,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    head_dim: int = 16,
+    intermediate_size: int = 128,
+    init_std: float = 0.2,
+) -> Path:
+    """Write a random float32 ``LlamaForCausalLM`` (untied lm_head) plus tokenizer to ``out_dir``.
+
+    ``vocab_size`` is the tokenizer's length. ``init_std`` is large on purpose: the logits of a
+    0.02-init model are nearly flat, so greedy argmax would hinge on float rounding and two
+    correct implementations could disagree; at 0.2 the top-1 margin is far above float32 noise.
+    """
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    out_dir = Path(out_dir)
+    copy_tokenizer(tokenizer_dir, out_dir)
+    tok = AutoTokenizer.from_pretrained(out_dir)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        initializer_range=init_std,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        torch_dtype="float32",
+    )
+    gen = torch.Generator().manual_seed(seed)
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * init_std)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir

@@ -1,0 +1,232 @@
+"""Run real ``python -m sglang.launch_server`` processes on CPU for tests.
+
+The server runs stock SGLang with ``SGLANG_USE_CPU_ENGINE=1 --device cpu`` and the
+``torch_native`` attention backend. ``sitecustomize/`` is put first on the server's
+PYTHONPATH so ``sgl_kernel`` imports without a GPU driver (see its docstring).
+
+    with launch_server(model_dir, ["--dtype", "float32"]) as server:
+        out = server.generate([1, 2, 3], {"max_new_tokens": 8, "temperature": 0})
+        out["output_ids"]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+import requests
+
+SITECUSTOMIZE_DIR = Path(__file__).resolve().parent / "sitecustomize"
+
+# Flags every CPU server gets unless ``extra_args`` names the same option.
+#   --attention-backend torch_native: the x86 default ("intel_amx") needs sgl_kernel's CPU
+#       build; torch_native is plain SDPA. It also turns CUDA graphs off.
+#   --max-total-tokens: on CPU the KV pool would otherwise be sized from host RAM.
+#   --sleep-on-idle: the scheduler blocks instead of spinning a core between requests.
+#   --disable-radix-cache is NOT set: prefix reuse is part of what tests exercise.
+CPU_SERVER_ARGS: dict[str, str | None] = {
+    "--device": "cpu",
+    "--attention-backend": "torch_native",
+    "--max-total-tokens": "8192",
+    "--sleep-on-idle": None,
+}
+
+CPU_SERVER_ENV: dict[str, str] = {
+    "SGLANG_USE_CPU_ENGINE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+LOG_TAIL_CHARS = 6000
+
+
+class ServerStartupError(RuntimeError):
+    """The server process exited or timed out before ``/health_generate`` answered 200."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _option_names(args: Sequence[str]) -> set[str]:
+    return {a.split("=", 1)[0] for a in args if a.startswith("--")}
+
+
+def server_command(model_path: str | os.PathLike, port: int, extra_args: Sequence[str] = ()) -> list[str]:
+    """argv of the server: ``CPU_SERVER_ARGS`` minus any option ``extra_args`` repeats, then ``extra_args``."""
+    extra_args = [str(a) for a in extra_args]
+    overridden = _option_names(extra_args)
+    for reserved in ("--model-path", "--port", "--host"):
+        if reserved in overridden:
+            raise ValueError(f"{reserved} is set by launch_server; pass model_path instead of {reserved}")
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
+           "--host", "127.0.0.1", "--port", str(port)]
+    for name, value in CPU_SERVER_ARGS.items():
+        if name not in overridden:
+            cmd += [name] if value is None else [name, value]
+    return cmd + extra_args
+
+
+def server_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """os.environ + ``CPU_SERVER_ENV`` + ``env``, with ``SITECUSTOMIZE_DIR`` first on PYTHONPATH."""
+    out = {**os.environ, **CPU_SERVER_ENV, **(env or {})}
+    paths = [str(SITECUSTOMIZE_DIR)] + [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p]
+    out["PYTHONPATH"] = os.pathsep.join(paths)
+    return out
+
+
+def _tail(path: Path, n: int = LOG_TAIL_CHARS) -> str:
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return text[-n:]
+
+
+def _kill_group(proc: subprocess.Popen, grace: float = 0.0) -> None:
+    """Kill the server's whole process group (it leads its own: ``start_new_session=True``).
+
+    ``grace > 0`` first sends SIGTERM and waits up to ``grace`` s for SGLang's own shutdown
+    (it drains requests and polls every 5 s, so a clean exit takes ~7 s); tests don't need it.
+    """
+    if grace > 0 and proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+class Server:
+    """Handle on a running server; every request raises on a non-200 answer."""
+
+    def __init__(self, proc: subprocess.Popen, base_url: str, log_path: Path):
+        self.proc = proc
+        self.base_url = base_url
+        self.log_path = log_path
+
+    def post(self, route: str, payload: dict, timeout: float = 300.0) -> dict:
+        r = requests.post(f"{self.base_url}{route}", json=payload, timeout=timeout)
+        if r.status_code != 200:
+            raise RuntimeError(f"POST {route} -> {r.status_code}: {r.text[:2000]}")
+        return r.json()
+
+    def get(self, route: str, timeout: float = 60.0) -> dict:
+        r = requests.get(f"{self.base_url}{route}", timeout=timeout)
+        if r.status_code != 200:
+            raise RuntimeError(f"GET {route} -> {r.status_code}: {r.text[:2000]}")
+        return r.json()
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        sampling_params: Mapping | None = None,
+        return_logprob: bool = False,
+        timeout: float = 300.0,
+    ) -> dict:
+        """POST /generate for one prompt (text, or token ids sent as ``input_ids``)."""
+        payload: dict = {"sampling_params": dict(sampling_params or {}), "return_logprob": return_logprob}
+        if isinstance(prompt, str):
+            payload["text"] = prompt
+        else:
+            payload["input_ids"] = [int(t) for t in prompt]
+        return self.post("/generate", payload, timeout=timeout)
+
+    def get_server_info(self) -> dict:
+        return self.get("/get_server_info")
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def _start(model_path, extra_args, env, log_path) -> tuple[subprocess.Popen, str, Path]:
+    port = free_port()
+    if log_path is None:
+        fd, name = tempfile.mkstemp(prefix="sglang-server-", suffix=".log")
+        os.close(fd)
+        log_path = name
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            server_command(model_path, port, extra_args),
+            env=server_env(env),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    return proc, f"http://127.0.0.1:{port}", log_path
+
+
+def _wait_healthy(proc: subprocess.Popen, base_url: str, deadline: float) -> bool:
+    """True once /health_generate answers 200; False if the process exits first or time runs out."""
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        with contextlib.suppress(requests.RequestException):
+            if requests.get(f"{base_url}/health_generate", timeout=30).status_code == 200:
+                return True
+        time.sleep(0.5)
+    return False
+
+
+@contextlib.contextmanager
+def launch_server(
+    model_path: str | os.PathLike,
+    extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    timeout: float = 300.0,
+    log_path: str | os.PathLike | None = None,
+) -> Iterator[Server]:
+    """Start a CPU server on a free port, yield a ``Server`` once healthy, always kill its process group.
+
+    Raises ``ServerStartupError`` (with the log tail) if the process exits or ``timeout`` s pass
+    before ``/health_generate`` answers 200.
+    """
+    proc, base_url, log_path = _start(model_path, extra_args, env, log_path)
+    try:
+        started = time.monotonic()
+        if not _wait_healthy(proc, base_url, started + timeout):
+            rc = proc.poll()
+            why = f"exited with code {rc}" if rc is not None else f"was not healthy after {timeout:.0f} s"
+            raise ServerStartupError(f"sglang server {why}; log {log_path}, tail:\n{_tail(log_path)}")
+        yield Server(proc, base_url, log_path)
+    finally:
+        _kill_group(proc)
+
+
+def expect_startup_failure(
+    model_path: str | os.PathLike,
+    extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    timeout: float = 300.0,
+    log_path: str | os.PathLike | None = None,
+) -> str:
+    """Start a server that must fail; return its full log once it exits non-zero before becoming healthy.
+
+    Raises AssertionError if it becomes healthy, exits 0, or is still running after ``timeout`` s.
+    """
+    proc, base_url, log_path = _start(model_path, extra_args, env, log_path)
+    try:
+        if _wait_healthy(proc, base_url, time.monotonic() + timeout):
+            raise AssertionError(f"server became healthy but was expected to fail; log {log_path}")
+        rc = proc.poll()
+        if rc is None:
+            raise AssertionError(
+                f"server neither failed nor became healthy within {timeout:.0f} s; tail:\n{_tail(log_path)}"
+            )
+        if rc == 0:
+            raise AssertionError(f"server exited 0 but was expected to fail; tail:\n{_tail(log_path)}")
+        return log_path.read_text(errors="replace")
+    finally:
+        _kill_group(proc)

@@ -1,0 +1,139 @@
+"""The CPU server harness: a real ``sglang.launch_server`` (no speculation) on a tiny random Llama
+must reproduce transformers' greedy tokens exactly, alone and under concurrent load."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from harness.models import make_tiny_llama
+from harness.server import ServerStartupError, expect_startup_failure, launch_server
+
+pytestmark = pytest.mark.server
+
+PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "1, 2, 3, 4, 5,",
+]
+MAX_NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from sglang_dflash.assets import smollm2_path
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), smollm2_path(), seed=0)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tiny_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    ids = [tok(p).input_ids for p in PROMPTS]
+    assert len({len(i) for i in ids}) > 1, "prompts should have different lengths"
+    return ids
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    # Log every decode step so the concurrency test can see batch sizes.
+    with launch_server(tiny_dir, ["--dtype", "float32", "--decode-log-interval", "1"]) as s:
+        yield s
+
+
+@torch.no_grad()
+def hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    """n greedy tokens of ``model`` after ``ids`` (no EOS stop) and their log-probs."""
+    seq = torch.tensor([ids])
+    out, logprobs = [], []
+    for _ in range(n):
+        logits = model(seq).logits[0, -1].float()
+        tok = int(logits.argmax())
+        out.append(tok)
+        logprobs.append(float(torch.log_softmax(logits, -1)[tok]))
+        seq = torch.cat([seq, torch.tensor([[tok]])], dim=1)
+    return out, logprobs
+
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True}
+
+
+def test_server_runs_cpu_torch_native(server):
+    info = server.get_server_info()
+    assert info["device"] == "cpu"
+    assert info["attention_backend"] == "torch_native"
+    assert info["dtype"] == "float32"
+    assert info["speculative_algorithm"] is None
+
+
+def test_greedy_matches_transformers(server, hf_model, prompt_ids):
+    for ids in prompt_ids:
+        want, want_lp = hf_greedy(hf_model, ids, MAX_NEW_TOKENS)
+        out = server.generate(ids, GREEDY, return_logprob=True)
+        assert out["output_ids"] == want, f"prompt {ids}"
+        meta = out["meta_info"]
+        assert meta["prompt_tokens"] == len(ids)
+        assert meta["completion_tokens"] == MAX_NEW_TOKENS
+        assert meta["finish_reason"]["type"] == "length"
+        got_lp = [lp for lp, _tok, _text in meta["output_token_logprobs"]]
+        assert [tok for _lp, tok, _text in meta["output_token_logprobs"]] == want
+        torch.testing.assert_close(torch.tensor(got_lp), torch.tensor(want_lp), atol=1e-3, rtol=0)
+
+
+def test_concurrent_requests_match_transformers(server, hf_model, prompt_ids):
+    # 3 copies of each prompt in flight at once: decode batches mix requests of different lengths.
+    want = {tuple(ids): hf_greedy(hf_model, ids, MAX_NEW_TOKENS)[0] for ids in prompt_ids}
+    requests = [ids for ids in prompt_ids for _ in range(3)]
+    with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+        outs = list(pool.map(lambda ids: server.generate(ids, GREEDY), requests))
+    for ids, out in zip(requests, outs):
+        assert out["output_ids"] == want[tuple(ids)], f"prompt {ids}"
+    # The server must have batched them: some decode step ran more than one request.
+    running = [int(line.split("#running-req: ")[1].split(",")[0])
+               for line in server.log_text().splitlines() if "Decode batch" in line and "#running-req: " in line]
+    assert max(running) > 1, "no decode batch held more than one request"
+
+
+def test_batched_input_ids(server, hf_model, prompt_ids):
+    # One POST carrying a list of prompts.
+    outs = server.post("/generate", {"input_ids": prompt_ids, "sampling_params": GREEDY})
+    assert [o["output_ids"] for o in outs] == [hf_greedy(hf_model, ids, MAX_NEW_TOKENS)[0] for ids in prompt_ids]
+
+
+def test_max_new_tokens_1(server, hf_model, prompt_ids):
+    for ids in prompt_ids:
+        out = server.generate(ids, {"temperature": 0.0, "max_new_tokens": 1, "ignore_eos": True})
+        assert out["output_ids"] == hf_greedy(hf_model, ids, 1)[0]
+        assert out["meta_info"]["completion_tokens"] == 1
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 1}
+
+
+def test_broken_model_fails_fast(tiny_dir, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_dir, broken)
+    cfg = json.loads((broken / "config.json").read_text())
+    cfg["hidden_size"] = 96  # weights are [.., 64]
+    (broken / "config.json").write_text(json.dumps(cfg))
+    log = expect_startup_failure(broken, ["--dtype", "float32"], timeout=240)
+    assert "The size of tensor a (96) must match the size of tensor b (64)" in log
+
+
+def test_launch_server_raises_with_log_tail(tmp_path):
+    with pytest.raises(ServerStartupError, match="exited with code") as err:
+        with launch_server(tmp_path / "no-such-model", timeout=240):
+            pass
+    assert "no-such-model" in str(err.value)
