@@ -100,6 +100,12 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
         return apply_rope(k, positions, inv_freq), v
 
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, KV]:
+        """x ``[b, L, H]`` -> q ``[b, L, Hq, D]``, k, v ``[b, L, Hkv, D]`` (q, k normed + roped)."""
+        b, n, _ = x.shape
+        q = apply_rope(self.q_norm(self.q_proj(x).view(b, n, self.num_heads, self.head_dim)), positions, inv_freq)
+        return (q, *self.kv(x, positions, inv_freq))
+
     def forward(
         self,
         x: torch.Tensor,
@@ -110,9 +116,7 @@ class DFlashAttention(nn.Module):
     ) -> torch.Tensor:
         """x ``[b, Q, H]`` (normed block stream), ctx_kv ``[b, C, Hkv, D]``, mask bool ``[b, Q, C+Q]`` or None."""
         b, q_len, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim))
-        q = apply_rope(q, positions, inv_freq)
-        k_blk, v_blk = self.kv(x, positions, inv_freq)
+        q, k_blk, v_blk = self.qkv(x, positions, inv_freq)
         k = torch.cat((ctx_kv[0], k_blk), dim=1).transpose(1, 2)
         v = torch.cat((ctx_kv[1], v_blk), dim=1).transpose(1, 2)
         attn_mask = None if mask is None else mask[:, None]

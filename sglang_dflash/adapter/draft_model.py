@@ -68,10 +68,12 @@ class SGLangDFlashDraft(nn.Module):
         """input_embeds [N, H] (target embeddings of the block) -> hidden [N, H]."""
         if input_embeds is None:
             raise ValueError("sglang-dflash draft forward needs input_embeds (the target's embeddings).")
-        h = input_embeds
+        h = input_embeds.to(self.core.dtype)
+        pos = positions.long()[None]
+        inv_freq = self.core.inv_freq(h.device)
         for layer, attn in zip(self.core.layers, self.attn):
-            q, k, v = self.core.block_qkv(layer, layer.input_layernorm(h), positions)
-            o = attn(q.flatten(1), k.flatten(1), v.flatten(1), forward_batch)
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(h)[None], pos, inv_freq)
+            o = attn(q[0].flatten(1), k[0].flatten(1), v[0].flatten(1), forward_batch)
             h = h + layer.self_attn.o_proj(o)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return LogitsProcessorOutput(next_token_logits=None, hidden_states=self.core.norm(h))
