@@ -105,14 +105,6 @@ def _check_1d(name: str, t: torch.Tensor, length: int, dtype: torch.dtype, devic
         raise ValueError(f"{name} is on {t.device} but last_tokens is on {device}; put all inputs on one device")
 
 
-def _raise_first_violation(checks: list[tuple[str, torch.Tensor]]) -> None:
-    """Raise ValueError with the message of the first check whose bool scalar is True (one sync)."""
-    flags = torch.stack([flag for _, flag in checks]).cpu()
-    for (message, _), bad in zip(checks, flags.tolist()):
-        if bad:
-            raise ValueError(message)
-
-
 def _validate(last_tokens, seq_lens, block_size, mask_token_id, out_cache_loc, req_to_token,
               req_pool_indices, out, check_values) -> None:
     if not isinstance(last_tokens, torch.Tensor) or last_tokens.dim() != 1:
@@ -152,19 +144,25 @@ def _validate(last_tokens, seq_lens, block_size, mask_token_id, out_cache_loc, r
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if not check_values or capturing or b == 0:
         return
-    checks = [("seq_lens must be >= 0 (tokens already in the KV cache)", (seq_lens < 0).any())]
+    # min/max of every index tensor in one host copy (one device sync), then exact checks on the host.
+    stats = [seq_lens] + ([req_pool_indices, out_cache_loc] if write_slots else [])
+    bounds = torch.stack([v for t in stats for v in torch.aminmax(t)]).tolist()
+    seq_min, seq_max = bounds[0], bounds[1]
+    if seq_min < 0:
+        raise ValueError(f"seq_lens must be >= 0 (tokens already in the KV cache), got {seq_min}")
     if write_slots:
+        pool_min, pool_max, loc_min, loc_max = bounds[2:]
         pool_size, max_ctx = req_to_token.shape
-        checks += [
-            (f"req_pool_indices must be in [0, {pool_size}) (rows of req_to_token)",
-             ((req_pool_indices < 0) | (req_pool_indices >= pool_size)).any()),
-            (f"seq_lens + block_size must be <= req_to_token.shape[1] = {max_ctx}; the verify block would be "
-             f"written past the request's context (raise the context length or lower block_size)",
-             (seq_lens + block_size > max_ctx).any()),
-            (f"out_cache_loc must be in [0, {_INT32_MAX}] to fit req_to_token's int32 entries",
-             ((out_cache_loc < 0) | (out_cache_loc > _INT32_MAX)).any()),
-        ]
-    _raise_first_violation(checks)
+        if pool_min < 0 or pool_max >= pool_size:
+            raise ValueError(f"req_pool_indices must be in [0, {pool_size}) (rows of req_to_token), "
+                             f"got values in [{pool_min}, {pool_max}]")
+        if seq_max + block_size > max_ctx:
+            raise ValueError(f"seq_lens + block_size must be <= req_to_token.shape[1] = {max_ctx}, got "
+                             f"{seq_max} + {block_size}; the verify block would be written past the request's "
+                             f"context (raise the context length or lower block_size)")
+        if loc_min < 0 or loc_max > _INT32_MAX:
+            raise ValueError(f"out_cache_loc must be in [0, {_INT32_MAX}] to fit req_to_token's int32 entries, "
+                             f"got values in [{loc_min}, {loc_max}]")
 
 
 def build_block(
