@@ -100,7 +100,7 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
         return apply_rope(k, positions, inv_freq), v
 
-    def qkv(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, KV]:
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x ``[b, L, H]`` -> q ``[b, L, Hq, D]``, k, v ``[b, L, Hkv, D]`` (q, k normed + roped)."""
         b, n, _ = x.shape
         q = apply_rope(self.q_norm(self.q_proj(x).view(b, n, self.num_heads, self.head_dim)), positions, inv_freq)

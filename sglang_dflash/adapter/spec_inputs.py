@@ -15,7 +15,7 @@ from typing import List, Optional
 import torch
 
 from sglang.kernels.ops.attention.utils import create_flashinfer_kv_indices_triton
-from sglang.srt.mem_cache.allocation import alloc_for_spec_decode
+from sglang.srt.mem_cache.allocation import alloc_token_slots
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.speculative.spec_info import SpecInput, SpecInputType
 
@@ -38,7 +38,8 @@ class DFlashDraftState(SpecInput):
         """Reserve KV slots so `req_to_token[r, seq_len : seq_len + block_size]` exist.
 
         Each request keeps at least two blocks of headroom past its committed length,
-        so a step never allocates inside the forward.
+        so a step never allocates inside the forward; slots a request does not commit
+        stay reserved to it and are released with the request.
         """
         bs = batch.batch_size()
         if bs == 0:
@@ -46,23 +47,19 @@ class DFlashDraftState(SpecInput):
         committed = [int(r.kv_committed_len) for r in batch.reqs]
         allocated = [int(r.kv.kv_allocated_len) for r in batch.reqs]
         reserved = [max(a, c + 2 * self.block_size) for a, c in zip(allocated, committed)]
-        cur_cpu = torch.tensor(allocated, dtype=torch.int32)
-        nxt_cpu = torch.tensor(reserved, dtype=torch.int32)
-        alloc_for_spec_decode(
-            batch.tree_cache,
-            batch.req_to_token_pool,
-            reqs=batch.reqs,
-            req_pool_indices=batch.req_pool_indices,
-            cur_kv_lens=cur_cpu.to(batch.device, non_blocking=True),
-            cur_kv_lens_cpu=cur_cpu,
-            nxt_kv_lens=nxt_cpu.to(batch.device, non_blocking=True),
-            nxt_kv_lens_cpu=nxt_cpu,
-            num_needed_tokens=sum(reserved) - sum(allocated),
-            batch=batch,
-        )
+        need = [n - a for n, a in zip(reserved, allocated)]
+        total = sum(need)
+        if total > 0:
+            slots = alloc_token_slots(batch.tree_cache, total)
+            rows = torch.repeat_interleave(batch.req_pool_indices.cpu().long(), torch.tensor(need))
+            cols = torch.cat([torch.arange(a, n) for a, n in zip(allocated, reserved)])
+            req_to_token = batch.req_to_token_pool.req_to_token
+            req_to_token[rows.to(req_to_token.device), cols.to(req_to_token.device)] = slots.to(req_to_token.dtype)
+        for req, n in zip(batch.reqs, reserved):
+            req.kv.kv_allocated_len = n
         batch.seq_lens_cpu = torch.tensor(committed, dtype=torch.int64)
         batch.seq_lens_sum = sum(committed)
-        self.reserved_seq_lens_cpu = nxt_cpu
+        self.reserved_seq_lens_cpu = torch.tensor(reserved, dtype=torch.int32)
 
     def filter_batch(self, new_indices: torch.Tensor, new_indices_cpu: Optional[List[int]] = None):
         keep_cpu = new_indices_cpu if new_indices_cpu is not None else new_indices.cpu()

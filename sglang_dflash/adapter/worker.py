@@ -93,8 +93,10 @@ class DFlashWorker(BaseSpecWorker):
         )
         with get_context().preserve_config():
             get_context().set_server_args(draft_args)
-            return TpModelWorker(server_args=draft_args, gpu_id=gpu_id, ps=ps, nccl_port=nccl_port,
-                                 is_draft_worker=True)
+            worker = TpModelWorker(server_args=draft_args, gpu_id=gpu_id, ps=ps, nccl_port=nccl_port,
+                                   is_draft_worker=True)
+        worker.draft_runner = worker.model_runner  # read by SGLang's KV-pool builders
+        return worker
 
     # ---- SGLang worker plumbing -------------------------------------------------------
     @property
@@ -156,11 +158,12 @@ class DFlashWorker(BaseSpecWorker):
         )
 
     def build_block(self, batch, state: DFlashDraftState) -> "_Block":
-        input_ids, positions, out_cache_loc = build_block(
+        input_ids, positions = build_block(
             state.bonus_tokens, batch.seq_lens.to(torch.int64), self.block_size, self.mask_token_id,
-            self.target_runner.req_to_token_pool.req_to_token, batch.req_pool_indices.to(torch.int64),
         )
-        return _Block(input_ids, positions, out_cache_loc)
+        req_to_token = self.target_runner.req_to_token_pool.req_to_token
+        out_cache_loc = req_to_token[batch.req_pool_indices.long()[:, None], positions.view(-1, self.block_size)]
+        return _Block(input_ids, positions, out_cache_loc.reshape(-1).to(torch.int64))
 
     def _forward_batch(self, batch, block: "_Block", input_ids, runner, capture) -> ForwardBatch:
         """TARGET_VERIFY-mode ForwardBatch over one block per request."""
