@@ -29,11 +29,11 @@ def make_tiny_target(family: str = "qwen3", seed: int = 0, **overrides):
 
 
 def make_draft_config(target_config, num_hidden_layers: int = 2, block_size: int = 8, **overrides) -> DFlashDraftConfig:
-    """A draft config shaped like ``target_config`` with mask id = last vocab id."""
+    """A draft config shaped like ``target_config`` (mask id defaults to the last tiny-vocab id)."""
     overrides.setdefault("torch_dtype", "float32")
+    overrides.setdefault("mask_token_id", TINY_MASK_ID)
     return DFlashDraftConfig.from_target(
-        target_config, num_hidden_layers=num_hidden_layers, mask_token_id=TINY_MASK_ID, block_size=block_size,
-        **overrides,
+        target_config, num_hidden_layers=num_hidden_layers, block_size=block_size, **overrides
     )
 
 
