@@ -1,7 +1,7 @@
 """Time the verify-step kernels against their torch refs and an empty Triton launch (the floor).
 
 For batch 1/16/64/256 and block 8/16, on CUDA:
-  * ``build_block`` (slot writing on) and ``accept_tokens``: the Triton launcher and the torch ref;
+  * ``build_block`` (slot gathering on) and ``accept_tokens``: the Triton launcher and the torch ref;
     also ``build_block`` with its value checks on (``triton+checks``: one device sync per call);
   * an empty ``@triton.jit`` kernel with the same grid;
 each timed three ways (median microseconds per call):
@@ -46,8 +46,7 @@ def _build_inputs(b, block_size, device, gen):
     return dict(
         last_tokens=torch.randint(0, 150_000, (b,), generator=gen).to(device),
         seq_lens=torch.randint(0, MAX_CTX - block_size + 1, (b,), generator=gen).to(device),
-        out_cache_loc=torch.randint(0, 2**31 - 1, (b * block_size,), generator=gen).to(device),
-        req_to_token=torch.full((b + 8, MAX_CTX), -5, dtype=torch.int32, device=device),
+        req_to_token=torch.randint(0, 2**31 - 1, (b + 8, MAX_CTX), generator=gen, dtype=torch.int32).to(device),
         req_pool_indices=torch.randperm(b + 8, generator=gen)[:b].to(device),
     )
 
@@ -66,9 +65,9 @@ def _check_build(build_block, build_block_ref, x, block_size):
     b = x["last_tokens"].shape[0]
     r2t_ref = x["req_to_token"].cpu().clone()
     expected = build_block_ref(*(x[k].cpu() for k in ("last_tokens", "seq_lens")), block_size, MASK_ID,
-                               x["out_cache_loc"].cpu(), r2t_ref, x["req_pool_indices"].cpu())
-    out = tuple(torch.full((b * block_size,), POISON, device=x["last_tokens"].device) for _ in range(2))
-    got = build_block(x["last_tokens"], x["seq_lens"], block_size, MASK_ID, x["out_cache_loc"], x["req_to_token"],
+                               r2t_ref, x["req_pool_indices"].cpu())
+    out = tuple(torch.full((b * block_size,), POISON, device=x["last_tokens"].device) for _ in range(3))
+    got = build_block(x["last_tokens"], x["seq_lens"], block_size, MASK_ID, x["req_to_token"],
                       x["req_pool_indices"], out=out)
     ok = all(torch.equal(g.cpu(), e) for g, e in zip(got, expected)) and torch.equal(x["req_to_token"].cpu(), r2t_ref)
     if not ok:
@@ -135,8 +134,7 @@ def main() -> int:
     dummy = torch.empty(1, device=device)
     for pass_idx in range(2):
         for b, block_size, x, acc in cases:
-            bargs = (x["last_tokens"], x["seq_lens"], block_size, MASK_ID, x["out_cache_loc"], x["req_to_token"],
-                     x["req_pool_indices"])
+            bargs = (x["last_tokens"], x["seq_lens"], block_size, MASK_ID, x["req_to_token"], x["req_pool_indices"])
             timed(pass_idx, "build_block", b, block_size, "triton", lambda: build_block(*bargs, check_values=False))
             timed(pass_idx, "build_block", b, block_size, "triton+checks", lambda: build_block(*bargs))
             timed(pass_idx, "build_block", b, block_size, "torch_ref", lambda: build_block_ref(*bargs))

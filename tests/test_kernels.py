@@ -4,7 +4,7 @@ The Triton runs happen in ONE subprocess started with ``TRITON_INTERPRET=1`` (th
 when ``@triton.jit`` decorates a kernel, so it must be set before ``sglang_dflash.kernels`` is
 imported, which this pytest process may already have done). That subprocess replaces the refs with
 functions that raise and counts kernel launches, so its outputs can only come from the kernels.
-Output buffers and the untouched part of ``req_to_token`` are poisoned before each run.
+Output buffers are poisoned before each run; ``req_to_token`` is read only and checked unchanged.
 """
 
 import os
@@ -26,16 +26,28 @@ MAX_CTX = 200
 
 
 def _block_inputs(b, block_size, seed):
+    """Distinct random slot ids everywhere in ``req_to_token`` (a wrong row/column gathers a wrong
+    value). It is a strided view: transposed storage for odd block sizes, a column slice of a wider
+    table otherwise."""
     g = torch.Generator().manual_seed(seed)
     pool_size = b + 5
-    out_cache_loc = torch.randint(0, 2**31 - 1, (b * block_size,), generator=g)
-    out_cache_loc[-1] = 2**31 - 1  # the largest slot id req_to_token (int32) can hold
+    n = pool_size * MAX_CTX
+    slots = (torch.randperm(n, generator=g) * ((2**31 - 2) // n)).to(torch.int32)
+    if block_size % 2:
+        req_to_token = slots.view(MAX_CTX, pool_size).t()
+    else:
+        req_to_token = torch.cat([slots.view(pool_size, MAX_CTX), torch.zeros(pool_size, 3, dtype=torch.int32)], 1)
+        req_to_token = req_to_token[:, :MAX_CTX]
+    seq_lens = torch.randint(0, MAX_CTX - block_size + 1, (b,), generator=g)
+    seq_lens[0] = MAX_CTX - block_size  # the block ends on the table's last column
+    req_pool_indices = torch.randperm(pool_size, generator=g)[:b]  # distinct rows
+    # the largest slot id an int32 table holds, in the last gathered entry
+    req_to_token[req_pool_indices[-1], seq_lens[-1] + block_size - 1] = 2**31 - 1
     return dict(
         last_tokens=torch.randint(0, 152_000, (b,), generator=g),
-        seq_lens=torch.randint(0, MAX_CTX - block_size + 1, (b,), generator=g),
-        out_cache_loc=out_cache_loc,
-        req_to_token=torch.full((pool_size, MAX_CTX), -5, dtype=torch.int32),
-        req_pool_indices=torch.randperm(pool_size, generator=g)[:b],  # distinct rows
+        seq_lens=seq_lens,
+        req_to_token=req_to_token,
+        req_pool_indices=req_pool_indices,
     )
 
 
@@ -94,11 +106,12 @@ def _worker(out_path):
     calls = 0
     for b, block_size, seed in _cases():
         x = _block_inputs(b, block_size, seed)
-        out = (torch.full((b * block_size,), POISON), torch.full((b * block_size,), POISON))
-        results[f"block-{b}-{block_size}-slots"] = build_block(
-            x["last_tokens"], x["seq_lens"], block_size, MASK_ID, x["out_cache_loc"], x["req_to_token"],
-            x["req_pool_indices"], out=out) + (x["req_to_token"],)
-        out = (torch.full((b * block_size,), POISON), torch.full((b * block_size,), POISON))
+        out = tuple(torch.full((b * block_size,), POISON) for _ in range(3))
+        got = build_block(x["last_tokens"], x["seq_lens"], block_size, MASK_ID, x["req_to_token"],
+                          x["req_pool_indices"], out=out)
+        assert all(g is o for g, o in zip(got, out))
+        results[f"block-{b}-{block_size}-slots"] = got + (x["req_to_token"].clone(),)
+        out = (torch.full((b * block_size,), POISON), torch.full((b * block_size,), POISON), None)
         results[f"block-{b}-{block_size}-noslots"] = build_block(
             x["last_tokens"], x["seq_lens"], block_size, MASK_ID, out=out)
         draft, target, seq_lens = _accept_inputs(b, block_size, seed)
@@ -131,15 +144,19 @@ def test_triton_path_was_taken(triton_results):
 @pytest.mark.parametrize("b, block_size, seed", list(_cases()))
 def test_build_block_triton_matches_ref(triton_results, b, block_size, seed):
     x = _block_inputs(b, block_size, seed)
-    ids_ref, pos_ref = build_block_ref(x["last_tokens"], x["seq_lens"], block_size, MASK_ID, x["out_cache_loc"],
-                                       x["req_to_token"], x["req_pool_indices"])
-    ids, pos, req_to_token = triton_results[f"block-{b}-{block_size}-slots"]
-    assert ids.dtype == torch.int64 and pos.dtype == torch.int64
+    r2t_before = x["req_to_token"].clone()
+    ids_ref, pos_ref, loc_ref = build_block_ref(x["last_tokens"], x["seq_lens"], block_size, MASK_ID,
+                                                x["req_to_token"], x["req_pool_indices"])
+    assert torch.equal(x["req_to_token"], r2t_before)
+    ids, pos, loc, req_to_token = triton_results[f"block-{b}-{block_size}-slots"]
+    assert ids.dtype == pos.dtype == loc.dtype == torch.int64
     assert torch.equal(ids, ids_ref)
     assert torch.equal(pos, pos_ref)
-    assert torch.equal(req_to_token, x["req_to_token"])  # slots written, everything else left at -5
-    assert (req_to_token != -5).sum().item() == b * block_size
-    ids, pos = triton_results[f"block-{b}-{block_size}-noslots"]
+    assert torch.equal(loc, loc_ref)
+    assert loc[-1].item() == 2**31 - 1
+    assert torch.equal(req_to_token, r2t_before)  # read only
+    ids, pos, loc = triton_results[f"block-{b}-{block_size}-noslots"]
+    assert loc is None
     assert torch.equal(ids, ids_ref) and torch.equal(pos, pos_ref)
 
 
@@ -159,14 +176,16 @@ def test_accept_tokens_triton_matches_ref(triton_results, b, block_size, seed):
 # ---------------------------------------------------------------------------------------------
 
 def test_build_block_ref_hand_built():
-    req_to_token = torch.full((3, 10), -1, dtype=torch.int32)
-    ids, pos = build_block_ref(torch.tensor([7, 8]), torch.tensor([0, 5]), 3, 99, torch.tensor([10, 11, 12, 20, 21, 22]),
-                               req_to_token, torch.tensor([2, 0]))
+    req_to_token = (torch.arange(30, dtype=torch.int32) + 100).view(3, 10)
+    ids, pos, loc = build_block_ref(torch.tensor([7, 8]), torch.tensor([0, 5]), 3, 99, req_to_token,
+                                    torch.tensor([2, 0]))
     assert ids.tolist() == [7, 99, 99, 8, 99, 99]
     assert pos.tolist() == [0, 1, 2, 5, 6, 7]
-    assert req_to_token[2, :3].tolist() == [10, 11, 12]
-    assert req_to_token[0, 5:8].tolist() == [20, 21, 22]
-    assert (req_to_token != -1).sum().item() == 6
+    assert loc.dtype == torch.int64
+    assert loc.tolist() == [120, 121, 122, 105, 106, 107]
+    assert torch.equal(req_to_token, (torch.arange(30, dtype=torch.int32) + 100).view(3, 10))
+    ids, pos, loc = build_block_ref(torch.tensor([7, 8]), torch.tensor([0, 5]), 3, 99)
+    assert loc is None and pos.tolist() == [0, 1, 2, 5, 6, 7]
 
 
 def test_accept_ref_hand_built():
@@ -191,14 +210,16 @@ def test_cpu_without_interpreter_uses_ref(monkeypatch):
     b, block_size = 7, 16
     x = _block_inputs(b, block_size, 5)
     expected_r2t = x["req_to_token"].clone()
-    expected = build_block_ref(x["last_tokens"], x["seq_lens"], block_size, MASK_ID, x["out_cache_loc"], expected_r2t,
+    expected = build_block_ref(x["last_tokens"], x["seq_lens"], block_size, MASK_ID, x["req_to_token"],
                                x["req_pool_indices"])
-    out = (torch.full((b * block_size,), POISON), torch.full((b * block_size,), POISON))
-    got = build_block(x["last_tokens"], x["seq_lens"], block_size, MASK_ID, x["out_cache_loc"], x["req_to_token"],
+    out = tuple(torch.full((b * block_size,), POISON) for _ in range(3))
+    got = build_block(x["last_tokens"], x["seq_lens"], block_size, MASK_ID, x["req_to_token"],
                       x["req_pool_indices"], out=out)
-    assert got[0] is out[0] and got[1] is out[1]
-    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert all(g is o for g, o in zip(got, out))
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
     assert torch.equal(x["req_to_token"], expected_r2t)
+    got = build_block(x["last_tokens"], x["seq_lens"], block_size, MASK_ID)
+    assert got[2] is None and torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     inputs = _accept_inputs(b, block_size, 5)
     out = (torch.full((b,), POISON), torch.full((b,), POISON), torch.full((b, block_size), POISON),
            torch.full((b,), POISON))
@@ -212,8 +233,7 @@ def test_cpu_without_interpreter_uses_ref(monkeypatch):
 
 def _bb_args(**over):
     args = dict(last_tokens=torch.tensor([1, 2, 3]), seq_lens=torch.tensor([0, 4, 8]), block_size=4, mask_token_id=9,
-                out_cache_loc=torch.arange(12), req_to_token=torch.zeros(5, 16, dtype=torch.int32),
-                req_pool_indices=torch.tensor([0, 1, 2]))
+                req_to_token=torch.zeros(5, 16, dtype=torch.int32), req_pool_indices=torch.tensor([0, 1, 2]))
     args.update(over)
     return args
 
@@ -225,30 +245,44 @@ def _bb_args(**over):
     ({"block_size": 1}, r"block_size must be an int in \[2, 64\], got 1"),
     ({"block_size": 65}, r"block_size must be an int in \[2, 64\], got 65"),
     ({"mask_token_id": -1}, "mask_token_id must be a non-negative int"),
-    ({"req_to_token": None}, "go together"),
-    ({"out_cache_loc": torch.arange(11)}, r"out_cache_loc must have shape \(12,\)"),
+    ({"req_to_token": None}, "req_to_token and req_pool_indices go together"),
+    ({"req_pool_indices": None}, "req_to_token and req_pool_indices go together"),
+    ({"req_pool_indices": torch.tensor([0, 1])}, r"req_pool_indices must have shape \(3,\)"),
+    ({"req_pool_indices": torch.tensor([0, 1, 2], dtype=torch.int32)}, "req_pool_indices must be torch.int64"),
     ({"req_to_token": torch.zeros(5, 16, dtype=torch.int64)}, "req_to_token must be a 2-D int32 tensor"),
-    ({"req_to_token": torch.zeros(16, 5, dtype=torch.int32).t()}, "unit stride"),
-    ({"seq_lens": torch.tensor([0, 4, 13])}, r"seq_lens \+ block_size must be <= req_to_token.shape\[1\] = 16"),
+    ({"req_to_token": torch.zeros(80, dtype=torch.int32)}, "req_to_token must be a 2-D int32 tensor"),
+    ({"seq_lens": torch.tensor([0, 4, 13])}, r"seq_lens \+ block_size must be <= req_to_token.shape\[1\] = 16, "
+                                             r"got 13 \+ 4"),
     ({"seq_lens": torch.tensor([0, -1, 8])}, "seq_lens must be >= 0"),
     ({"req_pool_indices": torch.tensor([0, 5, 2])}, r"req_pool_indices must be in \[0, 5\)"),
     ({"req_pool_indices": torch.tensor([0, -1, 2])}, r"req_pool_indices must be in \[0, 5\)"),
-    ({"out_cache_loc": torch.arange(12) + 2**31 - 5}, "out_cache_loc must be in"),
 ])
 def test_build_block_validation(over, match):
-    args = _bb_args(**over)
-    before = args["req_to_token"].clone() if args["req_to_token"] is not None else None
     with pytest.raises(ValueError, match=match):
-        build_block(**args)
-    if before is not None:
-        assert torch.equal(args["req_to_token"], before)  # nothing written on a rejected call
+        build_block(**_bb_args(**over))
+
+
+def test_build_block_last_column_accepted_and_checks_skippable():
+    """seq_lens + B == max_ctx reads the table's last column (allowed); check_values=False skips the
+    value checks (the caller vouches for the ranges)."""
+    r2t = torch.arange(80, dtype=torch.int32).view(5, 16)
+    _, _, loc = build_block(**_bb_args(seq_lens=torch.tensor([0, 4, 12]), req_to_token=r2t))
+    assert loc.tolist() == [0, 1, 2, 3, 20, 21, 22, 23, 44, 45, 46, 47]
+    build_block(**_bb_args(seq_lens=torch.tensor([0, -1, 8])), check_values=False)
 
 
 def test_build_block_validation_out_buffers():
+    i64 = lambda n=12: torch.zeros(n, dtype=torch.int64)  # noqa: E731
+    with pytest.raises(ValueError, match=r"out must be a tuple \(input_ids, positions, out_cache_loc\)"):
+        build_block(**_bb_args(), out=(i64(), i64()))
     with pytest.raises(ValueError, match="out positions must be torch.int64"):
-        build_block(**_bb_args(), out=(torch.zeros(12, dtype=torch.int64), torch.zeros(12, dtype=torch.int32)))
+        build_block(**_bb_args(), out=(i64(), torch.zeros(12, dtype=torch.int32), i64()))
     with pytest.raises(ValueError, match=r"out input_ids must have shape \(12,\)"):
-        build_block(**_bb_args(), out=(torch.zeros(13, dtype=torch.int64), torch.zeros(12, dtype=torch.int64)))
+        build_block(**_bb_args(), out=(i64(13), i64(), i64()))
+    with pytest.raises(ValueError, match=r"out out_cache_loc must have shape \(12,\)"):
+        build_block(**_bb_args(), out=(i64(), i64(), i64(11)))
+    with pytest.raises(ValueError, match="out out_cache_loc must be None when req_to_token is not given"):
+        build_block(**_bb_args(req_to_token=None, req_pool_indices=None), out=(i64(), i64(), i64()))
 
 
 @pytest.mark.parametrize("args, match", [
