@@ -1,0 +1,156 @@
+"""Acceptance-length evaluation of a DFlash drafter with the reference engine :class:`sglang_dflash.hf.DFlashLM`.
+
+tau = mean over (request, verify step) of ``accept_len + 1``: tokens committed per target verify forward,
+bonus token included.
+
+CLI::
+
+    python -m sglang_dflash.eval --target smollm2 --draft bundled --datasets mtbench,humaneval,gsm8k \\
+        --block-sizes 8,16 --temperatures 0,1 --num-prompts 40 --max-new-tokens 256 --out eval.json --plot eval.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from .data import EVAL_DATASETS, apply_chat, eval_prompts, load_prompt_file
+
+
+def dataset_prompts(name: str, num_prompts: Optional[int], tokenizer, prompts_dir: Optional[str] = None) -> list[str]:
+    """Chat-formatted prompts of eval set ``name`` (from the installed packages, or ``prompts_dir/name.jsonl``)."""
+    if prompts_dir is None:
+        return eval_prompts(name, num_prompts, tokenizer)
+    path = Path(prompts_dir) / f"{name}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found; write it with: python -m sglang_dflash.data --out {prompts_dir}")
+    texts = load_prompt_file(path)
+    return apply_chat(texts if num_prompts is None else texts[:num_prompts], tokenizer)
+
+
+def evaluate(
+    target,
+    tokenizer,
+    draft,
+    datasets: Sequence[str] = EVAL_DATASETS,
+    block_sizes: Sequence[int] = (16,),
+    temperatures: Sequence[float] = (0.0,),
+    num_prompts: Optional[int] = 40,
+    max_new_tokens: int = 256,
+    batch_size: int = 64,
+    seed: int = 0,
+    prompts_dir: Optional[str] = None,
+    progress: bool = True,
+) -> list[dict]:
+    """tau for every (dataset, block size, temperature). ``target``/``draft`` are loaded models on one device.
+
+    Each row: dataset, block_size, temperature, tau, num_prompts, num_verify_steps (request-steps), new_tokens,
+    accept_hist (counts of accept_len = 0..B-1), seconds.
+    """
+    from .hf import DFlashLM
+
+    rows = []
+    for name in datasets:
+        texts = dataset_prompts(name, num_prompts, tokenizer, prompts_dir)
+        prompts = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+        for block_size in block_sizes:
+            lm = DFlashLM(target, draft, block_size=block_size)
+            for temp in temperatures:
+                t0 = time.perf_counter()
+                accept_lens: list[int] = []
+                new_tokens = 0
+                for start in range(0, len(prompts), batch_size):
+                    out = lm.generate(prompts[start:start + batch_size], max_new_tokens=max_new_tokens,
+                                      temperature=float(temp), seed=seed + start)
+                    accept_lens.extend(a for row in out.accept_lens for a in row)
+                    new_tokens += out.num_new_tokens
+                tau = sum(a + 1 for a in accept_lens) / len(accept_lens) if accept_lens else 0.0
+                hist = torch.bincount(torch.tensor(accept_lens, dtype=torch.long), minlength=block_size).tolist()
+                row = dict(dataset=name, block_size=block_size, temperature=float(temp), tau=round(tau, 4),
+                           num_prompts=len(prompts), num_verify_steps=len(accept_lens), new_tokens=new_tokens,
+                           accept_hist=hist, seconds=round(time.perf_counter() - t0, 2))
+                rows.append(row)
+                if progress:
+                    print(f"[eval] {name:10s} block={block_size:2d} temp={temp:g} tau={tau:.3f} "
+                          f"steps={len(accept_lens)} tokens={new_tokens} ({row['seconds']}s)", flush=True)
+    return rows
+
+
+def plot(rows: list[dict], path: str | os.PathLike, title: str = "DFlash acceptance length") -> None:
+    """Grouped bars: tau per dataset, one bar per (block size, temperature)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    configs = list(dict.fromkeys((r["block_size"], r["temperature"]) for r in rows))
+    width = 0.8 / max(1, len(configs))
+    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(datasets), 3.6))
+    for j, (bs, temp) in enumerate(configs):
+        vals = [next((r["tau"] for r in rows if r["dataset"] == d and r["block_size"] == bs
+                      and r["temperature"] == temp), 0.0) for d in datasets]
+        xs = [i + (j - (len(configs) - 1) / 2) * width for i in range(len(datasets))]
+        bars = ax.bar(xs, vals, width, label=f"B={bs}, T={temp:g}")
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_xticks(range(len(datasets)), datasets)
+    ax.set_ylabel("tau (tokens / verify step)")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    from .assets import bundled_drafter_path
+    from .model import load_draft
+    from .train import load_target
+
+    p = argparse.ArgumentParser(description="Measure DFlash acceptance length (tau) per dataset.")
+    p.add_argument("--target", required=True, help="HF model dir/id, or 'smollm2'")
+    p.add_argument("--draft", required=True, help="drafter dir, or 'bundled' (the committed SmolLM2 drafter)")
+    p.add_argument("--datasets", default=",".join(EVAL_DATASETS))
+    p.add_argument("--block-sizes", default="16")
+    p.add_argument("--temperatures", default="0")
+    p.add_argument("--num-prompts", type=int, default=40)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompts-dir", default=None, help="read DIR/<dataset>.jsonl instead of the installed packages")
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", default=None, help="results JSON")
+    p.add_argument("--plot", default=None, help="bar chart PNG")
+    a = p.parse_args(argv)
+    target, tok = load_target(a.target, a.device)
+    draft_path = bundled_drafter_path() if a.draft == "bundled" else Path(a.draft)
+    draft = load_draft(draft_path, device=target.device, dtype=target.dtype)
+    datasets = [d for d in a.datasets.split(",") if d]
+    rows = evaluate(target, tok, draft, datasets, [int(x) for x in a.block_sizes.split(",")],
+                    [float(x) for x in a.temperatures.split(",")], a.num_prompts, a.max_new_tokens,
+                    a.batch_size, a.seed, a.prompts_dir)
+    result = {
+        "target": a.target,
+        "draft": str(draft_path),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "cpu",
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "settings": {"num_prompts": a.num_prompts, "max_new_tokens": a.max_new_tokens, "seed": a.seed},
+        "results": rows,
+    }
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=1))
+    if a.plot:
+        plot(rows, a.plot, title=f"DFlash tau: {Path(str(draft_path)).name}")
+    print(json.dumps([{k: r[k] for k in ("dataset", "block_size", "temperature", "tau")} for r in rows]))
+
+
+if __name__ == "__main__":
+    main()

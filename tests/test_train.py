@@ -1,0 +1,143 @@
+"""Trainer: block masks/labels exact, a tiny CPU run lowers the weighted loss, output loads in the core loader."""
+
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from conftest import TINY_MASK_ID, make_tiny_target
+from sglang_dflash import data
+from sglang_dflash.config import DFlashDraftConfig, select_target_layers
+from sglang_dflash.model import load_draft
+from sglang_dflash.train import (Batch, TrainArgs, block_attention_mask, block_labels, cosine_lr, default_gamma,
+                                 generate_responses, loss_weights, make_batch, train)
+
+
+class CharTokenizer:
+    """Tiny tokenizer for the 128-token random targets: one id per character, no chat template."""
+
+    pad_token_id = 0
+    eos_token_id = 2
+    chat_template = None
+    mask_token_id = TINY_MASK_ID
+
+    def __call__(self, text, add_special_tokens=False):
+        return type("Enc", (), {"input_ids": [3 + ord(c) % 100 for c in text]})()
+
+    def get_vocab(self):
+        return {}
+
+
+PROMPTS = [f"tell me about item {i} please" for i in range(24)]
+
+
+def test_block_attention_mask_exact():
+    anchors = torch.tensor([[2, 4]])
+    m = block_attention_mask(anchors, ctx_len=5, block_size=2)
+    want_ctx = torch.tensor([[1, 1, 0, 0, 0]] * 2 + [[1, 1, 1, 1, 0]] * 2, dtype=torch.bool)
+    want_blk = torch.tensor([[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 1], [0, 0, 1, 1]], dtype=torch.bool)
+    assert m.shape == (1, 4, 9)
+    assert torch.equal(m[0, :, :5], want_ctx) and torch.equal(m[0, :, 5:], want_blk)
+
+
+def test_block_labels_and_weights():
+    ids = torch.tensor([[10, 11, 12, 13, 14, 0]])
+    batch = Batch(ids, (ids > 0).long(), torch.tensor([5]), torch.tensor([[1, 3]]), torch.tensor([[True, True]]))
+    pos, labels, ok = block_labels(batch, 3)
+    assert pos.tolist() == [[[1, 2, 3], [3, 4, 5]]]
+    assert labels.tolist() == [[[11, 12, 13], [13, 14, 0]]]
+    assert ok.tolist() == [[[False, True, True], [False, True, False]]]
+    w = loss_weights(4, gamma=2.0)
+    assert torch.allclose(w, torch.tensor([1.0, 1.0, math.exp(-0.5), math.exp(-1.0)]))
+    assert default_gamma(16) == 7.0 and default_gamma(8) == 4.0
+
+
+def test_make_batch_anchors_in_response():
+    recs = [{"prompt_ids": [5, 6, 7], "response_ids": [8, 9, 10, 2]}, {"prompt_ids": [5], "response_ids": [9, 2]}]
+    b = make_batch(recs, anchors_per_seq=3, max_seq_len=64, pad_id=0, rng=random.Random(0))
+    assert b.input_ids.tolist() == [[5, 6, 7, 8, 9, 10, 2], [5, 9, 2, 0, 0, 0, 0]]
+    assert b.seq_lens.tolist() == [7, 3]
+    assert sorted(b.anchors[0].tolist()) == [3, 4, 5] and b.anchor_valid[0].all()
+    assert b.anchors[1, 0].item() == 1 and b.anchor_valid[1].tolist() == [True, False, False]
+
+
+def test_cosine_schedule():
+    assert cosine_lr(0, 100, 10, 1.0) == pytest.approx(0.1)
+    assert cosine_lr(10, 100, 10, 1.0) == pytest.approx(1.0)
+    assert cosine_lr(100, 100, 10, 1.0) == pytest.approx(0.0)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("drafter")
+    target = make_tiny_target("llama", initializer_range=0.2)  # peaked, repetitive greedy outputs: learnable
+    args = TrainArgs(block_size=8, num_draft_layers=2, steps=40, batch_size=8, anchors_per_seq=8, lr=3e-3,
+                     max_new_tokens=32, gen_batch_size=8, seed=3)
+    train(target, CharTokenizer(), PROMPTS, out, args, progress=False)
+    return target, out, args
+
+
+def test_tiny_run_lowers_loss_and_loads(tiny_run):
+    target, out, _ = tiny_run
+    log = json.loads((out / "train_log.json").read_text())
+    losses = [h["loss"] for h in log["history"]]
+    assert len(losses) == 40 and log["steps_run"] == 40
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.8 * first, (first, last)
+    cfg = DFlashDraftConfig.from_pretrained(out)
+    assert cfg.target_layer_ids == select_target_layers(6, 2)
+    assert (cfg.block_size, cfg.mask_token_id, cfg.num_target_layers) == (8, TINY_MASK_ID, 6)
+    cfg.validate_target(target.config)
+    draft = load_draft(out)
+    assert draft.dtype == torch.bfloat16
+    names = set(draft.state_dict())
+    assert "fc.weight" in names and not any("embed" in n or "lm_head" in n for n in names)
+
+
+def test_responses_cache_resumes(tiny_run, tmp_path):
+    target, out, args = tiny_run
+    cache = out / "responses.jsonl"
+    lines = cache.read_text().splitlines()
+    assert len(lines) == len(PROMPTS)
+
+    class NoGenerate(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.zeros(1))
+            self.generation_config = target.generation_config
+
+        def generate(self, *a, **k):
+            raise AssertionError("cached prompts must not be regenerated")
+
+    recs = generate_responses(NoGenerate(), CharTokenizer(), PROMPTS, cache, max_new_tokens=32)
+    assert len(recs) == len(PROMPTS) and {r["key"] for r in recs} == {json.loads(x)["key"] for x in lines}
+    # a partial cache regenerates only the missing prompts, with the same greedy result
+    part = tmp_path / "part.jsonl"
+    part.write_text("\n".join(lines[:10]) + "\n")
+    again = generate_responses(target, CharTokenizer(), PROMPTS, part, max_new_tokens=32, batch_size=8)
+    assert again == recs
+    assert len(part.read_text().splitlines()) == len(PROMPTS)
+
+
+def test_training_is_deterministic(tiny_run, tmp_path):
+    target, out, args = tiny_run
+    short = TrainArgs(**{**args.__dict__, "steps": 4})
+    logs = []
+    for run in range(2):
+        d = tmp_path / f"r{run}"
+        train(target, CharTokenizer(), PROMPTS, d, short, cache_path=out / "responses.jsonl", progress=False)
+        logs.append([h["loss"] for h in json.loads((d / "train_log.json").read_text())["history"]])
+    assert logs[0] == logs[1]
+
+
+@pytest.mark.real_model
+def test_training_prompts_exclude_eval_sets():
+    train_texts = data.training_prompts()
+    keys = data.eval_exclusion_keys()
+    assert len(train_texts) > 5000
+    assert not any(data.normalize(t) in keys for t in train_texts)
+    assert len({data.normalize(t) for t in train_texts}) == len(train_texts)
+    assert len(data.mtbench_prompts()) == 80 and len(data.humaneval_prompts()) == 164
+    assert len(data.gsm8k_prompts()) == 1319
