@@ -17,7 +17,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -48,35 +48,40 @@ def evaluate(
     seed: int = 0,
     prompts_dir: Optional[str] = None,
     progress: bool = True,
+    on_row: Optional[Callable[[list[dict]], None]] = None,
 ) -> list[dict]:
     """tau for every (dataset, block size, temperature). ``target``/``draft`` are loaded models on one device.
 
     Each row: dataset, block_size, temperature, tau, num_prompts, num_verify_steps (request-steps), new_tokens,
-    accept_hist (counts of accept_len = 0..B-1), seconds.
+    accept_hist (counts of accept_len = 0..B-1), seconds. ``on_row(rows_so_far)`` is called after each row.
     """
     from .hf import DFlashLM
 
-    rows = []
+    prompts = {}
     for name in datasets:
         texts = dataset_prompts(name, num_prompts, tokenizer, prompts_dir)
-        prompts = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
-        for block_size in block_sizes:
-            lm = DFlashLM(target, draft, block_size=block_size)
-            for temp in temperatures:
+        prompts[name] = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+    rows = []
+    for block_size in block_sizes:  # config-major order: a cut-short run still has every dataset of the first config
+        lm = DFlashLM(target, draft, block_size=block_size)
+        for temp in temperatures:
+            for name in datasets:
                 t0 = time.perf_counter()
                 accept_lens: list[int] = []
                 new_tokens = 0
-                for start in range(0, len(prompts), batch_size):
-                    out = lm.generate(prompts[start:start + batch_size], max_new_tokens=max_new_tokens,
+                for start in range(0, len(prompts[name]), batch_size):
+                    out = lm.generate(prompts[name][start:start + batch_size], max_new_tokens=max_new_tokens,
                                       temperature=float(temp), seed=seed + start)
                     accept_lens.extend(a for row in out.accept_lens for a in row)
                     new_tokens += out.num_new_tokens
                 tau = sum(a + 1 for a in accept_lens) / len(accept_lens) if accept_lens else 0.0
                 hist = torch.bincount(torch.tensor(accept_lens, dtype=torch.long), minlength=block_size).tolist()
                 row = dict(dataset=name, block_size=block_size, temperature=float(temp), tau=round(tau, 4),
-                           num_prompts=len(prompts), num_verify_steps=len(accept_lens), new_tokens=new_tokens,
+                           num_prompts=len(prompts[name]), num_verify_steps=len(accept_lens), new_tokens=new_tokens,
                            accept_hist=hist, seconds=round(time.perf_counter() - t0, 2))
                 rows.append(row)
+                if on_row is not None:
+                    on_row(rows)
                 if progress:
                     print(f"[eval] {name:10s} block={block_size:2d} temp={temp:g} tau={tau:.3f} "
                           f"steps={len(accept_lens)} tokens={new_tokens} ({row['seconds']}s)", flush=True)
@@ -133,9 +138,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     draft_path = bundled_drafter_path() if a.draft == "bundled" else Path(a.draft)
     draft = load_draft(draft_path, device=target.device, dtype=target.dtype)
     datasets = [d for d in a.datasets.split(",") if d]
-    rows = evaluate(target, tok, draft, datasets, [int(x) for x in a.block_sizes.split(",")],
-                    [float(x) for x in a.temperatures.split(",")], a.num_prompts, a.max_new_tokens,
-                    a.batch_size, a.seed, a.prompts_dir)
     result = {
         "target": a.target,
         "draft": str(draft_path),
@@ -143,10 +145,17 @@ def main(argv: Optional[list[str]] = None) -> None:
         "device": torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "cpu",
         "dtype": str(target.dtype).removeprefix("torch."),
         "settings": {"num_prompts": a.num_prompts, "max_new_tokens": a.max_new_tokens, "seed": a.seed},
-        "results": rows,
+        "results": [],
     }
-    if a.out:
-        Path(a.out).write_text(json.dumps(result, indent=1))
+
+    def write(rows: list[dict]) -> None:
+        if a.out:
+            result["results"] = rows
+            Path(a.out).write_text(json.dumps(result, indent=1))
+
+    rows = evaluate(target, tok, draft, datasets, [int(x) for x in a.block_sizes.split(",")],
+                    [float(x) for x in a.temperatures.split(",")], a.num_prompts, a.max_new_tokens,
+                    a.batch_size, a.seed, a.prompts_dir, on_row=write)
     if a.plot:
         plot(rows, a.plot, title=f"DFlash tau: {Path(str(draft_path)).name}")
     print(json.dumps([{k: r[k] for k in ("dataset", "block_size", "temperature", "tau")} for r in rows]))
