@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from harness.models import make_tiny_llama
-from harness.server import ServerStartupError, expect_startup_failure, launch_server
+from harness.server import ServerStartupError, expect_startup_failure, launch_server, server_env
 
 pytestmark = pytest.mark.server
 
@@ -128,12 +130,41 @@ def test_broken_model_fails_fast(tiny_dir, tmp_path):
     cfg = json.loads((broken / "config.json").read_text())
     cfg["hidden_size"] = 96  # weights are [.., 64]
     (broken / "config.json").write_text(json.dumps(cfg))
-    log = expect_startup_failure(broken, ["--dtype", "float32"], timeout=240)
+    log = expect_startup_failure(broken, ["--dtype", "float32"])
     assert "The size of tensor a (96) must match the size of tensor b (64)" in log
 
 
 def test_launch_server_raises_with_log_tail(tmp_path):
     with pytest.raises(ServerStartupError, match="exited with code") as err:
-        with launch_server(tmp_path / "no-such-model", timeout=240):
+        with launch_server(tmp_path / "no-such-model"):
             pass
     assert "no-such-model" in str(err.value)
+
+
+def test_sitecustomize_cpu_ops():
+    """The sgl_kernel CPU ops the harness registers match SGLang's Triton semantics."""
+    code = r"""
+import torch
+from sgl_kernel import assign_extend_cache_locs_cpu, assign_req_to_token_pool_cpu, copy_all_layer_kv_cache_cpu
+k = torch.arange(40, dtype=torch.float32).view(10, 2, 2)
+v = -k - 1
+ptrs = torch.tensor([k.data_ptr(), v.data_ptr()], dtype=torch.uint64)
+want_k, want_v = k.clone(), v.clone()
+tgt, src = torch.tensor([0, 1, 7]), torch.tensor([1, 0, 3])  # includes a swap: gather before scatter
+want_k[tgt], want_v[tgt] = k[src].clone(), v[src].clone()
+copy_all_layer_kv_cache_cpu(ptrs, torch.tensor([16, 16]), tgt, src)
+assert torch.equal(k, want_k) and torch.equal(v, want_v), (k, v)
+
+r2t = torch.zeros(3, 8, dtype=torch.int32)
+idx, start, end = torch.tensor([2, 0]), torch.tensor([1, 0]), torch.tensor([3, 3])
+assign_req_to_token_pool_cpu(idx, r2t, start, end, torch.tensor([7, 8, 9, 10, 11]), 8)
+assert r2t.tolist() == [[9, 10, 11, 0, 0, 0, 0, 0], [0] * 8, [0, 7, 8, 0, 0, 0, 0, 0]], r2t
+out = torch.zeros(5, dtype=torch.int64)
+assign_extend_cache_locs_cpu(idx, r2t, start, end, out, 8)
+assert out.tolist() == [7, 8, 9, 10, 11], out
+print("ok")
+"""
+    env = server_env()
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]
+    assert "Error in sitecustomize" not in res.stderr, res.stderr[-3000:]

@@ -2,7 +2,10 @@
 
 The server runs stock SGLang with ``SGLANG_USE_CPU_ENGINE=1 --device cpu`` and the
 ``torch_native`` attention backend. ``sitecustomize/`` is put first on the server's
-PYTHONPATH so ``sgl_kernel`` imports without a GPU driver (see its docstring).
+PYTHONPATH so ``sgl_kernel`` imports without a GPU driver and the few ``sgl_kernel`` CPU ops
+that speculative decoding reaches exist (see its docstring). With ``--speculative-algorithm``
+on CPU the overlap scheduler is CUDA-only (``FutureMap`` calls ``Tensor.record_stream``):
+pass ``--disable-overlap-schedule`` unless the algorithm turns it off itself.
 
     with launch_server(model_dir, ["--dtype", "float32"]) as server:
         out = server.generate([1, 2, 3], {"max_new_tokens": 8, "temperature": 0})
@@ -39,8 +42,12 @@ CPU_SERVER_ARGS: dict[str, str | None] = {
     "--sleep-on-idle": None,
 }
 
+# SGLANG_USE_CPU_ENGINE selects the CPU platform. The two crash-dump switches stop the server
+# from sleeping 5 s + 60 s (py-spy / CUDA core dump) after a scheduler crash before it exits.
 CPU_SERVER_ENV: dict[str, str] = {
     "SGLANG_USE_CPU_ENGINE": "1",
+    "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0",
+    "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0",
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }

@@ -1,16 +1,25 @@
 """Test-only start-up hook that lets stock SGLang run on a machine without a GPU driver.
 
-Put this directory on PYTHONPATH of an ``sglang.launch_server`` subprocess; Python imports
-``sitecustomize`` automatically at start-up. Nothing else in the repo imports it.
+Put this directory first on PYTHONPATH of an ``sglang.launch_server`` subprocess; Python
+imports ``sitecustomize`` automatically at start-up, in the server and in every process it
+spawns. Nothing in the package imports it.
 
-Why: ``import sgl_kernel`` (pulled in by sglang's layers) loads its native ``common_ops``
-extension, which links against ``libcuda.so.1`` and so fails without an NVIDIA driver
-("Could not load any common_ops library"). Its loader's last resort is a plain
-``import common_ops``; registering an empty module under that name turns the load into a
-no-op. No ``sgl_kernel`` op is ever called with ``SGLANG_USE_CPU_ENGINE=1 --device cpu``
-and the torch_native attention backend: every layer takes its ``forward_native`` path.
+1. ``import sgl_kernel`` (pulled in by sglang's layers) loads its native ``common_ops``
+   extension, which links against ``libcuda.so.1`` and so fails without an NVIDIA driver
+   ("Could not load any common_ops library"). Its loader's last resort is a plain
+   ``import common_ops``; registering an empty module under that name turns the load into a
+   no-op. With ``SGLANG_USE_CPU_ENGINE=1 --device cpu --attention-backend torch_native`` no
+   ``sgl_kernel`` op is called on the non-speculative path: every layer takes ``forward_native``.
+
+2. With ``--speculative-algorithm`` set, SGLang's CPU path calls three ``torch.ops.sgl_kernel``
+   ops that only the separate sgl-kernel CPU build provides:
+   ``copy_all_layer_kv_cache_cpu`` (KV pool init warm-up and ``move_kv_cache``),
+   ``assign_req_to_token_pool_cpu`` (``alloc_for_spec_decode``) and
+   ``assign_extend_cache_locs_cpu`` (``assign_extend_cache_locs_func``). They are registered
+   here as plain-torch CPU kernels, with the semantics of SGLang's Triton versions.
 """
 
+import ctypes
 import sys
 import types
 
@@ -18,3 +27,59 @@ if "common_ops" not in sys.modules:
     _stub = types.ModuleType("common_ops")
     _stub.__file__ = __file__  # the loader logs the module's __file__
     sys.modules["common_ops"] = _stub
+
+import torch  # noqa: E402  (every process this hook runs in imports torch anyway)
+
+
+def _copy_all_layer_kv_cache(data_ptrs, strides, tgt_loc, src_loc):
+    """For every buffer i (base address data_ptrs[i], strides[i] bytes per slot): slot tgt <- slot src."""
+    tgt, src = tgt_loc.tolist(), src_loc.tolist()
+    for base, stride in zip(data_ptrs.tolist(), strides.tolist()):
+        rows = [ctypes.string_at(base + s * stride, stride) for s in src]  # gather, then scatter
+        for t, row in zip(tgt, rows):
+            ctypes.memmove(base + t * stride, row, stride)
+
+
+def _segments(req_pool_indices, start_offset, end_offset):
+    """(req row, kv start, kv end, offset into the packed locs) per request."""
+    out, pos = [], 0
+    for r, s, e in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()):
+        out.append((r, s, e, pos))
+        pos += e - s
+    return out
+
+
+def _assign_req_to_token_pool(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len):
+    """req_to_token[req, start:end] = packed out_cache_loc segment of that request."""
+    for r, s, e, p in _segments(req_pool_indices, start_offset, end_offset):
+        req_to_token[r, s:e] = out_cache_loc[p : p + e - s].to(req_to_token.dtype)
+
+
+def _assign_extend_cache_locs(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len):
+    """Packed out_cache_loc segment of each request = req_to_token[req, start:end]."""
+    for r, s, e, p in _segments(req_pool_indices, start_offset, end_offset):
+        out_cache_loc[p : p + e - s] = req_to_token[r, s:e].to(out_cache_loc.dtype)
+
+
+_CPU_OPS = {
+    "copy_all_layer_kv_cache_cpu": (
+        "(Tensor data_ptrs, Tensor strides, Tensor tgt_loc, Tensor src_loc) -> ()",
+        _copy_all_layer_kv_cache,
+    ),
+    "assign_req_to_token_pool_cpu": (
+        "(Tensor req_pool_indices, Tensor(a!) req_to_token, Tensor start_offset, Tensor end_offset, "
+        "Tensor out_cache_loc, int pool_len) -> ()",
+        _assign_req_to_token_pool,
+    ),
+    "assign_extend_cache_locs_cpu": (
+        "(Tensor req_pool_indices, Tensor req_to_token, Tensor start_offset, Tensor end_offset, "
+        "Tensor(a!) out_cache_loc, int pool_len) -> ()",
+        _assign_extend_cache_locs,
+    ),
+}
+
+_LIB = torch.library.Library("sgl_kernel", "FRAGMENT")  # kept alive: dropping it unregisters the ops
+for _name, (_schema, _fn) in _CPU_OPS.items():
+    if not hasattr(torch.ops.sgl_kernel, _name):  # a real sgl-kernel CPU build wins
+        _LIB.define(_name + _schema)
+        _LIB.impl(_name, _fn, "CPU")
