@@ -65,9 +65,11 @@ def _as_prompts(input_ids: Prompts) -> list[list[int]]:
                              "use input_ids[None] for a single prompt.")
         prompts = input_ids.tolist()
     else:
-        prompts = [list(map(int, p)) for p in input_ids]
-        if prompts and not isinstance(input_ids[0], (list, tuple, torch.Tensor)):
+        if not isinstance(input_ids, (list, tuple)) or not all(
+            isinstance(p, (list, tuple, torch.Tensor)) for p in input_ids
+        ):
             raise ValueError("input_ids must be a list of token-id lists (one per prompt) or a [batch, T] tensor.")
+        prompts = [[int(t) for t in p] for p in input_ids]
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("input_ids must hold at least one prompt and every prompt needs >= 1 token.")
     return prompts

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Tiny models: intra-op threads only add synchronisation cost (and stall badly on a busy 2-core host).
+if "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(1)
 
 from sglang_dflash.config import DFlashDraftConfig
 

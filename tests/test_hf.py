@@ -56,15 +56,21 @@ def _stops_inside(references) -> list[int]:
     return stops
 
 
+@pytest.fixture(scope="module")
+def stopped(target, references):
+    """(stops, HF greedy continuations of 24 tokens that stop at them)."""
+    stops = _stops_inside(references)
+    assert len(stops) == 2
+    return stops, [_hf_greedy(target, p, 24, stops) for p in _prompts()]
+
+
 @pytest.mark.parametrize("block_size", [2, 8, 16])
-def test_greedy_equals_target_generate(target, references, block_size):
+def test_greedy_equals_target_generate(target, stopped, block_size):
     prompts = _prompts()
     draft = DFlashDraftModel(make_draft_config(target.config, block_size=block_size)).eval()
     lm = DFlashLM(target, draft)
-    stops = _stops_inside(references)
-    assert len(stops) == 2
+    stops, expected = stopped
     out = lm.generate(prompts, max_new_tokens=24, stop_token_ids=stops)
-    expected = [_hf_greedy(target, p, 24, stops) for p in prompts]
     assert out.sequences == expected
     assert any(len(s) < 24 and s[-1] in stops for s in expected)  # some rows stop early ...
     assert any(len(s) == 24 for s in expected)  # ... others run to max_new_tokens
@@ -86,11 +92,15 @@ def test_tiny_max_new_tokens(target, references, max_new_tokens):
     assert all(len(log) == max_new_tokens - 1 for log in out.accept_lens)
 
 
-def test_default_stop_is_target_eos(target):
-    prompts = _prompts()
+def test_default_stop_is_target_eos(target, references, monkeypatch):
+    """stop_token_ids=None stops at generation_config.eos_token_id: the unstopped references cut after it."""
+    eos = _stops_inside(references)[0]
+    monkeypatch.setattr(target.generation_config, "eos_token_id", eos)
     draft = DFlashDraftModel(make_draft_config(target.config, block_size=4)).eval()
-    out = DFlashLM(target, draft).generate(prompts, max_new_tokens=12)
-    assert out.sequences == [_hf_greedy(target, p, 12, [2]) for p in prompts]
+    out = DFlashLM(target, draft).generate(_prompts(), max_new_tokens=40)
+    expected = [ref[: ref.index(eos) + 1] if eos in ref else ref for ref in references]
+    assert any(len(e) < 40 for e in expected)
+    assert out.sequences == expected
 
 
 # ------------------------------------------------------------------ "right" drafts: exact accept lengths
@@ -290,6 +300,8 @@ def test_bad_inputs(tiny_qwen3):
         lm.generate([[1, 2]], 0)
     with pytest.raises(ValueError, match=r"input_ids tensor must be \[batch, T\]"):
         lm.generate(torch.tensor([1, 2]), 4)
+    with pytest.raises(ValueError, match="must be a list of token-id lists"):
+        lm.generate([1, 2], 4)
     other = make_tiny_target("qwen3", hidden_size=64, head_dim=16)
     from sglang_dflash.config import DFlashConfigError
 
@@ -299,9 +311,9 @@ def test_bad_inputs(tiny_qwen3):
 
 # ------------------------------------------------------------------ real model
 
-@pytest.mark.real_model
-@pytest.mark.parametrize("block_size", [2, 8, 16])
-def test_smollm2_greedy_equals_target(block_size):
+@pytest.fixture(scope="module")
+def smollm2():
+    """(target, prompts, stops, HF greedy references of 16 tokens) for SmolLM2-135M-Instruct in float32."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from sglang_dflash.assets import smollm2_path
@@ -311,11 +323,18 @@ def test_smollm2_greedy_equals_target(block_size):
     tok = AutoTokenizer.from_pretrained(path)
     questions = ["What is 2+2?", "Name a color.", "Write a haiku about rain.", "Who wrote Hamlet?",
                  "List three fruits.", "What is the capital of France?", "Explain gravity briefly.", "Say hi."]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in questions]
-    prompts = [p["input_ids"] if isinstance(p, dict) else list(p) for p in prompts]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                       return_dict=True)["input_ids"] for q in questions]
+    stops = [tok.eos_token_id]
+    return target, prompts, stops, [_hf_greedy(target, p, 16, stops) for p in prompts]
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("block_size", [2, 8, 16])
+def test_smollm2_greedy_equals_target(smollm2, block_size):
+    target, prompts, stops, expected = smollm2
     torch.manual_seed(0)
     draft = DFlashDraftModel(make_draft_config(target.config, num_hidden_layers=1, block_size=block_size,
                                                mask_token_id=16)).eval()
-    stops = [tok.eos_token_id]
     out = DFlashLM(target, draft).generate(prompts, max_new_tokens=16, stop_token_ids=stops)
-    assert out.sequences == [_hf_greedy(target, p, 16, stops) for p in prompts]
+    assert out.sequences == expected
