@@ -103,6 +103,48 @@ def test_default_stop_is_target_eos(target, references, monkeypatch):
     assert out.sequences == expected
 
 
+class RecordingDraft(DFlashDraftModel):
+    """Records what the engine feeds the draft at every step."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.calls = []
+
+    def forward(self, block_embeds, block_positions, ctx_kv, attn_mask=None, ctx_positions=None):
+        self.calls.append((block_embeds.clone(), block_positions.clone(),
+                           [(k.clone(), v.clone()) for k, v in ctx_kv], attn_mask.clone()))
+        return super().forward(block_embeds, block_positions, ctx_kv, attn_mask, ctx_positions)
+
+
+def test_draft_sees_context_of_exactly_the_committed_tokens(target):
+    """Every draft step: the cached context K/V of each row == recomputed from scratch over its committed tokens
+    (target hidden states after target_layer_ids, positions 0..n-1); block = [last token, MASK...] at n.."""
+    torch.manual_seed(0)
+    draft = RecordingDraft(make_draft_config(target.config, block_size=4)).eval()
+    prompts = _prompts()
+    out = DFlashLM(target, draft).generate(prompts, max_new_tokens=12, stop_token_ids=[])
+    assert len(draft.calls) == out.num_verify_steps
+    embed = target.get_input_embeddings()
+    with torch.no_grad():
+        for step, (embeds, positions, kvs, mask) in enumerate(draft.calls):
+            active = [i for i in range(len(prompts)) if len(out.accept_lens[i]) > step]
+            assert embeds.shape[0] == len(active)
+            for r, i in enumerate(active):
+                committed = 1 + sum(a + 1 for a in out.accept_lens[i][:step])
+                full = prompts[i] + out.sequences[i]
+                n = len(prompts[i]) + committed - 1
+                assert positions[r].tolist() == list(range(n, n + 4))
+                assert torch.equal(embeds[r], embed(torch.tensor([full[n]] + [TINY_MASK_ID] * 3)))
+                ctx_len = kvs[0][0].shape[1]
+                assert mask[r].tolist() == [[True] * n + [False] * (ctx_len - n) + [True] * 4] * 4
+                hs = target(torch.tensor([full[:n]]), output_hidden_states=True).hidden_states
+                feats = torch.cat([hs[j + 1] for j in draft.cfg.target_layer_ids], dim=-1)
+                ref = draft.context_kv(draft.project_context(feats), torch.arange(n)[None])
+                for (k, v), (rk, rv) in zip(kvs, ref):
+                    torch.testing.assert_close(k[r, :n], rk[0], rtol=1e-4, atol=1e-5)
+                    torch.testing.assert_close(v[r, :n], rv[0], rtol=1e-4, atol=1e-5)
+
+
 # ------------------------------------------------------------------ "right" drafts: exact accept lengths
 
 def test_constant_target_and_matching_draft_accept_everything():
