@@ -99,7 +99,7 @@ class DFlashDraftConfig:
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
     torch_dtype: str = "bfloat16"
-    extra: dict = field(default_factory=dict)  # unknown config.json keys, written back by to_dict
+    extra: dict = field(default_factory=dict, compare=False)  # unknown config.json keys, written back by to_dict
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -236,7 +236,7 @@ class DFlashDraftConfig:
             attention_bias=bool(d.get("attention_bias", False)),
             hidden_act=d.get("hidden_act", "silu"),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
+            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16").removeprefix("torch."),
             extra={k: v for k, v in d.items() if k not in known},
         )
 

@@ -87,6 +87,17 @@ def test_rope_parameters_v5_style():
     assert cfg.rope_theta == 5000.0 and cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
 
 
+def test_reparse_from_transformers_config(tmp_path):
+    """SGLang hands the adapter a transformers Qwen3Config (v5: rope_parameters, dtype); to_dict() re-parses."""
+    from transformers import AutoConfig
+
+    (tmp_path / "config.json").write_text(json.dumps(ZLAB_CONFIG))
+    hf = AutoConfig.from_pretrained(tmp_path)
+    d = hf.to_dict()
+    d["dtype"] = hf.dtype  # may be a torch.dtype object
+    assert DFlashDraftConfig.from_dict(d) == DFlashDraftConfig.from_dict(ZLAB_CONFIG)
+
+
 def test_from_pretrained_dir(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(ZLAB_CONFIG))
     assert DFlashDraftConfig.from_pretrained(tmp_path).target_layer_ids == [1, 3, 5]
