@@ -37,6 +37,7 @@ from sglang.srt.speculative.draft_worker_common import draft_server_args_overrid
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 from sglang_dflash.adapter.draft_model import SGLangDFlashDraft
+from sglang_dflash.adapter.profiling import PhaseTimer
 from sglang_dflash.adapter.spec_inputs import DFlashBlockInput, DFlashDraftState
 from sglang_dflash.config import DFlashDraftConfig
 from sglang_dflash.kernels.accept import accept_tokens
@@ -77,6 +78,7 @@ class DFlashWorker(BaseSpecWorker):
         self._draft_worker = self._build_draft_worker(server_args, gpu_id, ps, nccl_port)
         self.draft_runner = self._draft_worker.model_runner
         self.draft_model: SGLangDFlashDraft = self.draft_runner.model
+        self.timer = PhaseTimer.from_env(self.device)
         logger.info(
             "DFLASH served by sglang-dflash (block_size=%d, target_layer_ids=%s, mask_token_id=%d, "
             "attention_backend=%s)",
@@ -119,11 +121,18 @@ class DFlashWorker(BaseSpecWorker):
         if batch.forward_mode.is_idle() or batch.batch_size() == 0:
             return self.idle()
         state: DFlashDraftState = batch.spec_info
-        block = self.build_block(batch, state)
-        draft_tokens = self.draft(batch, block)
-        logits_output, can_run_graph = self.verify(batch, block, draft_tokens)
-        accept_lens, bonus, committed, new_seq_lens = self.accept(batch, draft_tokens, logits_output)
-        self.commit_kv(logits_output.hidden_states, block.positions, block.out_cache_loc)
+        t = self.timer.start_step(batch.batch_size())
+        with t("build_block"):
+            block = self.build_block(batch, state)
+        with t("draft"):
+            draft_tokens = self.draft(batch, block)
+        with t("verify"):
+            logits_output, can_run_graph = self.verify(batch, block, draft_tokens)
+        with t("accept"):
+            accept_lens, bonus, committed, new_seq_lens = self.accept(batch, draft_tokens, logits_output)
+        with t("commit_kv"):
+            self.commit_kv(logits_output.hidden_states, block.positions, block.out_cache_loc)
+        self.timer.end_step()
         logits_output.hidden_states = None
         return GenerationBatchResult(
             logits_output=logits_output,
@@ -158,12 +167,12 @@ class DFlashWorker(BaseSpecWorker):
         )
 
     def build_block(self, batch, state: DFlashDraftState) -> "_Block":
-        input_ids, positions = build_block(
+        input_ids, positions, out_cache_loc = build_block(
             state.bonus_tokens, batch.seq_lens.to(torch.int64), self.block_size, self.mask_token_id,
+            self.target_runner.req_to_token_pool.req_to_token, batch.req_pool_indices.to(torch.int64),
+            check_values=False,
         )
-        req_to_token = self.target_runner.req_to_token_pool.req_to_token
-        out_cache_loc = req_to_token[batch.req_pool_indices.long()[:, None], positions.view(-1, self.block_size)]
-        return _Block(input_ids, positions, out_cache_loc.reshape(-1).to(torch.int64))
+        return _Block(input_ids, positions, out_cache_loc)
 
     def _forward_batch(self, batch, block: "_Block", input_ids, runner, capture) -> ForwardBatch:
         """TARGET_VERIFY-mode ForwardBatch over one block per request."""

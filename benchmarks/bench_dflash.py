@@ -1,0 +1,322 @@
+"""Side-by-side serving speed: no speculation vs SGLang's built-in DFLASH vs sglang-dflash.
+
+One command, one GPU. Every server is started up front (in parallel, each with a slice of
+GPU memory; idle servers sleep), then each is driven alone with SGLang's own load generator
+(`python -m sglang.bench_serving`) at every concurrency. Workloads:
+
+* real:  the target + trained drafter on held-out MT-Bench / HumanEval / GSM8K prompts,
+         temperature 0 and 1;
+* bound_accept_all: target and draft with final norms zeroed (both always emit token 0:
+         every draft token is accepted), isolating engine overhead at the best case;
+* bound_accept_none: the real target with a random drafter (nothing accepted).
+
+At temperature 0 the benchmark checks that all servers of a workload produce identical tokens.
+Writes `<out>/results.json`, `<out>/throughput.png`, server logs, and prints a table last.
+
+    python benchmarks/bench_dflash.py --target T --draft D --out results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+import torch
+from safetensors.torch import load_file, save_file
+
+REPO = Path(__file__).resolve().parent.parent
+SERVER_FLAGS = ["--attention-backend", "flashinfer", "--disable-prefill-cuda-graph", "--sleep-on-idle",
+                "--skip-server-warmup"]
+
+
+# ---- synthetic bound models -------------------------------------------------------------
+def zero_final_norm(src: Path, dst: Path, key: str) -> Path:
+    """Copy a HF/draft dir and zero the weight `key` (the final RMSNorm): logits become constant."""
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        tensors = load_file(f)
+        if key in tensors:
+            tensors[key] = torch.zeros_like(tensors[key])
+            save_file(tensors, f, metadata={"format": "pt"})
+            return dst
+    raise KeyError(f"{key} not found in {src}")
+
+
+def random_draft(like: Path, dst: Path) -> Path:
+    from sglang_dflash.config import DFlashDraftConfig
+    from sglang_dflash.model import DFlashDraftModel, save_draft
+
+    torch.manual_seed(0)
+    model = DFlashDraftModel(DFlashDraftConfig.from_pretrained(like)).to(torch.bfloat16)
+    save_draft(model, dst)
+    return dst
+
+
+# ---- servers ----------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, name, model, draft, impl, out: Path, mem_fraction: float, extra=(), flags=SERVER_FLAGS):
+        self.name, self.model, self.draft, self.impl = name, model, draft, impl
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = out / f"server_{name}.log"
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--port", str(self.port),
+               "--mem-fraction-static", str(mem_fraction), *flags, *extra]
+        env = dict(os.environ)
+        if draft is not None:
+            cmd += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft)]
+            env["SGLANG_DFLASH_IMPL"] = impl
+        self.cmd = cmd
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        self.error = None
+
+    def wait(self, deadline: float) -> bool:
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                self.error = f"exited with {self.proc.returncode}"
+                return False
+            try:
+                if requests.get(self.url + "/health_generate", timeout=5).status_code == 200:
+                    return True
+            except requests.RequestException:
+                pass
+            time.sleep(2)
+        self.error = "startup timeout"
+        return False
+
+    def generate(self, input_ids, max_new_tokens):
+        r = requests.post(self.url + "/generate", json={
+            "input_ids": input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens}},
+            timeout=600)
+        r.raise_for_status()
+        return r.json()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+# ---- load ---------------------------------------------------------------------------------
+def write_dataset(prompts: list[str], path: Path) -> Path:
+    with open(path, "w") as f:
+        for p in prompts:
+            f.write(json.dumps({"conversations": [{"role": "user", "content": p},
+                                                  {"role": "assistant", "content": "ok"}]}) + "\n")
+    return path
+
+
+def bench_serving(server: Server, tokenizer: Path, dataset: Path, conc: int, num_prompts: int, out_len: int,
+                  temperature: float, out: Path) -> dict:
+    """One `sglang.bench_serving` run, in-process (its CLI entry point with our argv)."""
+    from sglang.benchmark.serving import cli_main
+
+    result_file = out / f"bs_{server.name}_c{conc}_t{temperature:g}.jsonl"
+    argv = ["bench_serving", "--backend", "sglang", "--base-url", server.url,
+            "--tokenizer", str(tokenizer), "--dataset-name", "custom", "--dataset-path", str(dataset),
+            "--apply-chat-template", "--num-prompts", str(num_prompts), "--max-concurrency", str(conc),
+            "--sharegpt-output-len", str(out_len), "--temperature", str(temperature), "--disable-tqdm",
+            "--disable-ignore-eos", "--seed", "1", "--output-file", str(result_file)]
+    saved = sys.argv
+    sys.argv = argv
+    try:
+        cli_main()
+    except BaseException as e:  # a failed run is recorded, the benchmark goes on
+        return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        sys.argv = saved
+    if not result_file.exists():
+        return {"error": "bench_serving wrote no result"}
+    row = json.loads(result_file.read_text().strip().splitlines()[-1])
+    return {k: row.get(k) for k in ("output_throughput", "mean_tpot_ms", "median_tpot_ms", "mean_ttft_ms",
+                                    "accept_length", "completed", "total_output_tokens", "duration")}
+
+
+def check_identical(servers: list[Server], prompts_ids: list[list[int]], max_new_tokens: int) -> dict:
+    outs = {}
+    for s in servers:
+        with cf.ThreadPoolExecutor(16) as ex:
+            outs[s.name] = [r["output_ids"] for r in ex.map(lambda ids: s.generate(ids, max_new_tokens), prompts_ids)]
+    ref_name = servers[0].name
+    mismatches = {s.name: [i for i, (a, b) in enumerate(zip(outs[ref_name], outs[s.name])) if a != b]
+                  for s in servers[1:]}
+    return {"reference": ref_name, "num_prompts": len(prompts_ids), "mismatched_prompt_indices": mismatches,
+            "identical": all(not v for v in mismatches.values())}
+
+
+# ---- main ---------------------------------------------------------------------------------
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--concurrency", default="1,4,16,64")
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--prompts-per-level", type=int, default=2, help="num_prompts = max(8, this * concurrency)")
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--workloads", default="real,bound_accept_all,bound_accept_none")
+    ap.add_argument("--impls", default="nospec,builtin,ours")
+    ap.add_argument("--profile", action="store_true", help="extra sglang-dflash server with per-phase timing")
+    ap.add_argument("--startup-timeout", type=float, default=480)
+    ap.add_argument("--server-flags", default=" ".join(SERVER_FLAGS), help="flags every server gets")
+    args = ap.parse_args()
+
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    target, draft = Path(args.target), Path(args.draft)
+    concs = [int(c) for c in args.concurrency.split(",")]
+    temps = [float(t) for t in args.temperatures.split(",")]
+    impls = args.impls.split(",")
+    workloads = args.workloads.split(",")
+
+    from transformers import AutoTokenizer
+
+    from sglang_dflash import data
+
+    tok = AutoTokenizer.from_pretrained(target)
+    n = max(8, args.prompts_per_level * max(concs))
+    per_set = (n + 2) // 3
+    prompts = [p for trio in zip(data.mtbench_prompts(per_set), data.humaneval_prompts(per_set),
+                                 data.gsm8k_prompts(per_set)) for p in trio]
+    dataset = write_dataset(prompts, out / "prompts.jsonl")
+    check_ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+                 for p in prompts[:24]]
+    check_ids = [list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids) for ids in check_ids]
+
+    models = {"real": (target, draft)}
+    if "bound_accept_all" in workloads:
+        models["bound_accept_all"] = (zero_final_norm(target, out / "m_zero_target", "model.norm.weight"),
+                                      zero_final_norm(draft, out / "m_zero_draft", "norm.weight"))
+    if "bound_accept_none" in workloads:
+        models["bound_accept_none"] = (target, random_draft(draft, out / "m_random_draft"))
+
+    plan = []  # (workload, impl)
+    for w in workloads:
+        for impl in impls:
+            if impl == "nospec" and w == "bound_accept_none":
+                continue  # same server as real/nospec
+            plan.append((w, impl))
+    if args.profile:
+        plan.append(("real", "ours_profiled"))
+    frac = round(min(0.08, 0.85 / len(plan)), 3)
+    servers = {}
+    for w, impl in plan:
+        tgt, drf = models[w]
+        env_impl = {"builtin": "builtin"}.get(impl, "sglang_dflash")
+        extra = ["--cuda-graph-max-bs", str(max(concs))] if torch.cuda.is_available() else []
+        if impl == "ours_profiled":
+            os.environ["SGLANG_DFLASH_PROFILE"] = str(out / "phases.json")
+        servers[(w, impl)] = Server(f"{w}_{impl}", tgt, None if impl == "nospec" else drf, env_impl, out, frac,
+                                    extra, args.server_flags.split())
+        os.environ.pop("SGLANG_DFLASH_PROFILE", None)
+    deadline = time.time() + args.startup_timeout
+    results = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available()
+               else "cpu", "args": vars(args), "servers": {}, "runs": [], "identity": {}}
+    try:
+        for key, s in servers.items():
+            ok = s.wait(deadline)
+            results["servers"][s.name] = {"ok": ok, "error": s.error, "cmd": " ".join(s.cmd)}
+            print(f"[bench] {s.name}: {'up' if ok else 'FAILED: ' + str(s.error)}", flush=True)
+        up = {k: s for k, s in servers.items() if results["servers"][s.name]["ok"]}
+        for w in workloads:
+            group = [up[(w2, i)] for (w2, i) in up if w2 == w or (w == "bound_accept_none" and (w2, i) == ("real", "nospec"))]
+            group.sort(key=lambda s: s.name.endswith("nospec"), reverse=True)
+            if len(group) > 1:
+                results["identity"][w] = check_identical(group, check_ids, 64)
+                print(f"[bench] identity {w}: {results['identity'][w]}", flush=True)
+        for (w, impl), s in up.items():
+            for temp in temps:
+                if w != "real" and temp != 0:
+                    continue
+                for conc in concs:
+                    if impl == "ours_profiled" and conc not in (1, 16):
+                        continue
+                    r = bench_serving(s, target, dataset, conc, max(8, args.prompts_per_level * conc),
+                                      args.output_len, temp, out)
+                    r.update(workload=w, impl=impl, concurrency=conc, temperature=temp)
+                    results["runs"].append(r)
+                    print(f"[bench] {w:18s} {impl:14s} c={conc:3d} T={temp} -> "
+                          f"{r.get('output_throughput') or r.get('error', '')[:300]}", flush=True)
+                    (out / "results.json").write_text(json.dumps(results, indent=1))
+    finally:
+        for s in servers.values():
+            s.stop()
+    if (out / "phases.json").exists():
+        results["phases"] = json.loads((out / "phases.json").read_text())
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    plot(results, out / "throughput.png")
+    print_table(results)
+
+
+def _tput(results, w, impl, conc, temp):
+    for r in results["runs"]:
+        if (r["workload"], r["impl"], r["concurrency"], r["temperature"]) == (w, impl, conc, temp):
+            return r.get("output_throughput"), r.get("accept_length"), r.get("mean_tpot_ms")
+    return None, None, None
+
+
+def print_table(results) -> None:
+    rows = sorted({(r["workload"], r["temperature"], r["concurrency"]) for r in results["runs"]})
+    print("\n| workload | T | conc | no-spec tok/s | built-in tok/s (τ) | ours tok/s (τ) | ours/no-spec | ours/built-in | ours TPOT ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for w, t, c in rows:
+        ref_w = "real" if w == "bound_accept_none" else w
+        ns, _, _ = _tput(results, ref_w, "nospec", c, t)
+        bi, bi_tau, _ = _tput(results, w, "builtin", c, t)
+        ours, ours_tau, ours_tpot = _tput(results, w, "ours", c, t)
+        f = lambda x: "—" if x is None else f"{x:,.0f}"
+        tau = lambda x: "" if x is None else f" ({x:.2f})"
+        ratio = lambda a, b: "—" if not a or not b else f"{a / b:.2f}x"
+        print(f"| {w} | {t:g} | {c} | {f(ns)} | {f(bi)}{tau(bi_tau)} | {f(ours)}{tau(ours_tau)} | "
+              f"{ratio(ours, ns)} | {ratio(ours, bi)} | {'—' if ours_tpot is None else f'{ours_tpot:.2f}'} |")
+    if "phases" in results:
+        print("\nsglang-dflash per-phase ms/step (synchronized):", json.dumps(results["phases"]["ms_per_step"]))
+    print("identity at T=0:", {w: v["identical"] for w, v in results["identity"].items()})
+
+
+def plot(results, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["workload"], r["temperature"]) for r in results["runs"]})
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (w, t) in zip(axes[0], panels):
+        for impl in ("nospec", "builtin", "ours"):
+            src_w = "real" if (w == "bound_accept_none" and impl == "nospec") else w
+            pts = sorted((r["concurrency"], r["output_throughput"]) for r in results["runs"]
+                         if r["workload"] == src_w and r["impl"] == impl and r["temperature"] == t
+                         and r.get("output_throughput"))
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{w}, T={t:g}")
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("output tok/s")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Per-phase timing of the DFLASH decode step (`SGLANG_DFLASH_PROFILE=path.json`).
+
+Off by default: `PhaseTimer.from_env` then returns a timer whose phases are no-op
+context managers. When on, each phase is bracketed by a device synchronize, so the
+numbers are exact per phase but the step runs without CUDA-graph-level overlap
+between phases; "scheduler" is the wall time between the end of one step and the
+start of the next (everything SGLang does outside the worker).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections import defaultdict
+
+import torch
+
+
+class PhaseTimer:
+    def __init__(self, device, path: str | None):
+        self.path = path
+        self.sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+        self.totals = defaultdict(float)
+        self.steps = 0
+        self.tokens = 0
+        self._last_end = None
+
+    @classmethod
+    def from_env(cls, device) -> "PhaseTimer":
+        return cls(device, os.environ.get("SGLANG_DFLASH_PROFILE") or None)
+
+    def start_step(self, batch_size: int):
+        if self.path is None:
+            return _null_phase
+        self.sync()
+        now = time.perf_counter()
+        if self._last_end is not None:
+            self.totals["scheduler"] += now - self._last_end
+        self.steps += 1
+        self.tokens += batch_size
+        return self._phase
+
+    @contextlib.contextmanager
+    def _phase(self, name: str):
+        t0 = time.perf_counter()
+        yield
+        self.sync()
+        self.totals[name] += time.perf_counter() - t0
+
+    def end_step(self) -> None:
+        if self.path is None:
+            return
+        self._last_end = time.perf_counter()
+        if self.steps % 20 == 0:
+            summary = {"steps": self.steps, "requests_stepped": self.tokens,
+                       "ms_per_step": {k: 1e3 * v / self.steps for k, v in self.totals.items()}}
+            with open(self.path, "w") as f:
+                json.dump(summary, f, indent=1)
+
+
+@contextlib.contextmanager
+def _null_ctx():
+    yield
+
+
+def _null_phase(name: str):
+    return _null_ctx()
