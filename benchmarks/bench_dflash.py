@@ -171,6 +171,7 @@ def main():
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--prompts-per-level", type=int, default=2, help="num_prompts = max(8, this * concurrency)")
     ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--prompts-dir", default=None, help="held-out prompt files instead of the dataset packages")
     ap.add_argument("--workloads", default="real,bound_accept_all,bound_accept_none")
     ap.add_argument("--impls", default="nospec,builtin,ours")
     ap.add_argument("--profile", action="store_true", help="extra sglang-dflash server with per-phase timing")
@@ -193,8 +194,12 @@ def main():
     tok = AutoTokenizer.from_pretrained(target)
     n = max(8, args.prompts_per_level * max(concs))
     per_set = (n + 2) // 3
-    prompts = [p for trio in zip(data.mtbench_prompts(per_set), data.humaneval_prompts(per_set),
-                                 data.gsm8k_prompts(per_set)) for p in trio]
+    if args.prompts_dir:  # {mtbench,humaneval,gsm8k}.jsonl of {"prompt": ...} (python -m sglang_dflash.data --out)
+        sets = [[json.loads(line)["prompt"] for line in open(Path(args.prompts_dir) / f"{name}.jsonl")][:per_set]
+                for name in ("mtbench", "humaneval", "gsm8k")]
+    else:
+        sets = [data.mtbench_prompts(per_set), data.humaneval_prompts(per_set), data.gsm8k_prompts(per_set)]
+    prompts = [p for trio in zip(*sets) for p in trio]
     dataset = write_dataset(prompts, out / "prompts.jsonl")
     check_ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
                  for p in prompts[:24]]

@@ -30,6 +30,7 @@ EXPECTED_SIGNATURES = {
     "sglang.srt.speculative.draft_worker_common.draft_server_args_overrides": [
         "target_model_config", "draft_backend"],
     "sglang.srt.model_executor.model_runner.ModelRunner.forward": ["self", "forward_batch"],
+    "sglang.srt.speculative.dflash_utils.validate_dflash_request": ["req", "enable_overlap"],
     "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation": [
         "self", "batch", "forward_batch", "pp_proxy_tensors", "is_verify", "skip_attn_backend_init",
         "capture_hidden_mode"],
@@ -96,6 +97,9 @@ def install() -> None:
         "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.create_worker",
         _create_worker, HookType.AROUND,
     )
+    HookRegistry.register(
+        "sglang.srt.speculative.dflash_utils.validate_dflash_request", _validate_request, HookType.AROUND
+    )
     logger.info("sglang-dflash plugin loaded: DFLASH -> %s (%s=%s)",
                 "sglang-dflash" if impl == "sglang_dflash" else "SGLang built-in", IMPL_ENV, impl)
 
@@ -118,3 +122,37 @@ def _create_worker(original, algo, server_args):
     from sglang_dflash.adapter.worker import DFlashWorker
 
     return DFlashWorker
+
+
+# Sampling features whose logits adjustments the verify step does not apply yet: such
+# requests are refused up front (with the reason) rather than sampled from the wrong law.
+_UNSUPPORTED_DEFAULTS = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+                         "min_new_tokens": 0}
+_UNSUPPORTED_SET = ("logit_bias", "regex", "json_schema", "ebnf", "structural_tag")
+
+
+def request_error(req) -> str | None:
+    """Why sglang-dflash cannot serve `req` exactly (None when it can)."""
+    sp = req.sampling_params
+    fix = "Drop it, or serve without --speculative-algorithm DFLASH."
+    for name, default in _UNSUPPORTED_DEFAULTS.items():
+        value = getattr(sp, name, default)
+        if value is not None and value != default:
+            return f"sglang-dflash: {name}={value} is not supported with DFLASH yet. {fix}"
+    for name in _UNSUPPORTED_SET:
+        if getattr(sp, name, None):
+            return f"sglang-dflash: {name} is not supported with DFLASH yet. {fix}"
+    if getattr(req, "custom_logit_processor", None):
+        return f"sglang-dflash: custom logit processors are not supported with DFLASH yet. {fix}"
+    if req.return_logprob and sp.max_new_tokens != 0:
+        return ("sglang-dflash: return_logprob is supported for prompt scoring (max_new_tokens=0) only; "
+                "decode logprobs are not returned with DFLASH yet. " + fix)
+    if getattr(req, "return_hidden_states", False):
+        return f"sglang-dflash: return_hidden_states is not supported with DFLASH. {fix}"
+    return None
+
+
+def _validate_request(original, req, enable_overlap):
+    if selected_impl() != "sglang_dflash":
+        return original(req, enable_overlap)
+    return request_error(req)
