@@ -171,6 +171,7 @@ def main():
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--prompts-per-level", type=int, default=2, help="num_prompts = max(8, this * concurrency)")
     ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--work", default=None, help="where the synthetic bound models go (default OUT/models)")
     ap.add_argument("--prompts-dir", default=None, help="held-out prompt files instead of the dataset packages")
     ap.add_argument("--workloads", default="real,bound_accept_all,bound_accept_none")
     ap.add_argument("--impls", default="nospec,builtin,ours")
@@ -181,6 +182,8 @@ def main():
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work).resolve() if args.work else out / "models"
+    work.mkdir(parents=True, exist_ok=True)
     target, draft = Path(args.target), Path(args.draft)
     concs = [int(c) for c in args.concurrency.split(",")]
     temps = [float(t) for t in args.temperatures.split(",")]
@@ -207,10 +210,10 @@ def main():
 
     models = {"real": (target, draft)}
     if "bound_accept_all" in workloads:
-        models["bound_accept_all"] = (zero_final_norm(target, out / "m_zero_target", "model.norm.weight"),
-                                      zero_final_norm(draft, out / "m_zero_draft", "norm.weight"))
+        models["bound_accept_all"] = (zero_final_norm(target, work / "zero_target", "model.norm.weight"),
+                                      zero_final_norm(draft, work / "zero_draft", "norm.weight"))
     if "bound_accept_none" in workloads:
-        models["bound_accept_none"] = (target, random_draft(draft, out / "m_random_draft"))
+        models["bound_accept_none"] = (target, random_draft(draft, work / "random_draft"))
 
     plan = []  # (workload, impl)
     for w in workloads:
