@@ -35,8 +35,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 REPO = Path(__file__).resolve().parent.parent
+# Servers share one GPU and start together: every one sees the whole card free at start, so the KV pool is
+# capped by token count (--max-total-tokens) instead of by memory fraction.
 SERVER_FLAGS = ["--attention-backend", "flashinfer", "--disable-prefill-cuda-graph", "--sleep-on-idle",
-                "--skip-server-warmup"]
+                "--skip-server-warmup", "--mem-fraction-static", "0.9", "--max-total-tokens", "65536"]
 
 
 # ---- synthetic bound models -------------------------------------------------------------
@@ -72,13 +74,13 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, name, model, draft, impl, out: Path, mem_fraction: float, extra=(), flags=SERVER_FLAGS):
+    def __init__(self, name, model, draft, impl, out: Path, extra=(), flags=SERVER_FLAGS):
         self.name, self.model, self.draft, self.impl = name, model, draft, impl
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = out / f"server_{name}.log"
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--port", str(self.port),
-               "--mem-fraction-static", str(mem_fraction), *flags, *extra]
+               *flags, *extra]
         env = dict(os.environ)
         if draft is not None:
             cmd += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft)]
@@ -223,7 +225,6 @@ def main():
             plan.append((w, impl))
     if args.profile:
         plan.append(("real", "ours_profiled"))
-    frac = round(min(0.08, 0.85 / len(plan)), 3)
     servers = {}
     for w, impl in plan:
         tgt, drf = models[w]
@@ -231,8 +232,8 @@ def main():
         extra = ["--cuda-graph-max-bs", str(max(concs))] if torch.cuda.is_available() else []
         if impl == "ours_profiled":
             os.environ["SGLANG_DFLASH_PROFILE"] = str(out / "phases.json")
-        servers[(w, impl)] = Server(f"{w}_{impl}", tgt, None if impl == "nospec" else drf, env_impl, out, frac,
-                                    extra, args.server_flags.split())
+        servers[(w, impl)] = Server(f"{w}_{impl}", tgt, None if impl == "nospec" else drf, env_impl, out, extra,
+                                    args.server_flags.split())
         os.environ.pop("SGLANG_DFLASH_PROFILE", None)
     deadline = time.time() + args.startup_timeout
     results = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available()
