@@ -30,7 +30,7 @@ $PY -m sglang_dflash.train --target smollm2 --prompts "$PROMPTS/train.jsonl" \
   --out "$WORK/drafter" --cache "$WORK/responses.jsonl" --log-json "$OUT/train_log.json" \
   --block-size 16 --num-draft-layers "${DRAFT_LAYERS:-5}" --gamma 7 \
   --steps "${STEPS:-100000}" --batch-size "${BATCH:-32}" --anchors-per-seq "${ANCHORS:-64}" \
-  --lr "${LR:-1e-3}" --warmup-ratio 0.04 --grad-clip 1.0 --seed 0 \
+  --lr "${LR:-1e-3}" --warmup-steps 40 --grad-clip 1.0 --seed 0 \
   --num-prompts "${NUM_PROMPTS:-100000}" --max-prompt-tokens 384 --max-new-tokens "${MAX_NEW:-320}" \
   --gen-batch-size "${GEN_BATCH:-768}" --gen-temperature 0 --max-seq-len 1024 \
   --max-gen-seconds "${GEN_SECONDS:-120}" --max-train-seconds "${TRAIN_SECONDS:-230}" --log-every 25

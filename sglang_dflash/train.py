@@ -74,6 +74,7 @@ class TrainArgs:
     lr: float = 6e-4
     weight_decay: float = 0.0
     warmup_ratio: float = 0.04
+    warmup_steps: Optional[int] = None  # overrides warmup_ratio (use it with max_train_seconds)
     grad_clip: float = 1.0
     seed: int = 0
     max_seq_len: int = 1024
@@ -85,8 +86,9 @@ class TrainArgs:
     gen_temperature: float = 0.0
     checkpoint_every: int = 0
     log_every: int = 10
-    # wall-clock budgets (None = unbounded). max_train_seconds fixes the step count once, from the time of
-    # steps 5..15 (the cosine schedule then uses that count; the log records it so --steps reproduces the run).
+    # wall-clock budgets (None = unbounded). max_train_seconds sets the step count from the measured speed
+    # (re-estimated at steps 15, 50, 150 and 400, timing from step 5); the cosine schedule follows the estimate
+    # and the log records the final count (steps_run), so --steps reproduces the schedule.
     max_gen_seconds: Optional[float] = None
     max_train_seconds: Optional[float] = None
     extra: dict = field(default_factory=dict)
@@ -398,7 +400,7 @@ def train(
     opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
                             fused=device.type == "cuda")
     total_steps = args.steps
-    warmup = max(1, int(args.warmup_ratio * total_steps))
+    warmup = _warmup(args, total_steps)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else _eos_ids(target, tokenizer)[0]
     rng = random.Random(args.seed)
     order: list[int] = []
@@ -408,15 +410,15 @@ def train(
     step = 0
     calib_t = 0.0
     while step < total_steps:
-        if args.max_train_seconds is not None and step in (5, 15):
+        if args.max_train_seconds is not None and step in (5, 15, 50, 150, 400):
             _sync(device)
             if step == 5:
                 calib_t = time.time()
             else:
-                per_step = (time.time() - calib_t) / 10
+                per_step = (time.time() - calib_t) / (step - 5)
                 budget_steps = int((args.max_train_seconds - (time.time() - t1)) / per_step) + step
-                total_steps = max(step + 1, min(total_steps, budget_steps))
-                warmup = max(1, int(args.warmup_ratio * total_steps))
+                total_steps = max(step + 1, min(args.steps, budget_steps))
+                warmup = _warmup(args, total_steps)
                 bar.total = total_steps
         if len(order) < args.batch_size:
             perm = list(range(len(records)))
@@ -460,6 +462,10 @@ def train(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_path.write_text(json.dumps(log, indent=1))
     return out_dir
+
+
+def _warmup(args: TrainArgs, total_steps: int) -> int:
+    return max(1, args.warmup_steps if args.warmup_steps is not None else int(args.warmup_ratio * total_steps))
 
 
 def _sync(device: torch.device) -> None:
@@ -531,6 +537,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--warmup-ratio", type=float, default=d.warmup_ratio)
+    p.add_argument("--warmup-steps", type=int, default=None, help="overrides --warmup-ratio")
     p.add_argument("--grad-clip", type=float, default=d.grad_clip)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--max-seq-len", type=int, default=d.max_seq_len)
@@ -548,7 +555,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = TrainArgs(
         block_size=a.block_size, num_draft_layers=a.num_draft_layers, target_layer_ids=_int_list(a.target_layer_ids),
         mask_token_id=a.mask_token_id, gamma=a.gamma, anchors_per_seq=a.anchors_per_seq, steps=a.steps,
-        batch_size=a.batch_size, lr=a.lr, weight_decay=a.weight_decay, warmup_ratio=a.warmup_ratio,
+        batch_size=a.batch_size, lr=a.lr, weight_decay=a.weight_decay, warmup_ratio=a.warmup_ratio, warmup_steps=a.warmup_steps,
         grad_clip=a.grad_clip, seed=a.seed, max_seq_len=a.max_seq_len, num_prompts=a.num_prompts,
         max_prompt_tokens=a.max_prompt_tokens, max_new_tokens=a.max_new_tokens, gen_batch_size=a.gen_batch_size,
         gen_temperature=a.gen_temperature, checkpoint_every=a.checkpoint_every, log_every=a.log_every,
