@@ -66,3 +66,18 @@ def test_missing_out_dir_is_rejected(tmp_path):
     (tmp_path / "junk").write_text("x")
     with pytest.raises(FileExistsError, match="delete it"):
         assets.smollm2_path(tmp_path)
+
+
+def test_bundled_drafter_loads_and_fits_target(converted):
+    from transformers import AutoConfig
+
+    from sglang_dflash.model import load_draft
+
+    path = assets.bundled_drafter_path()
+    draft = load_draft(path)
+    cfg = draft.cfg
+    assert (cfg.block_size, cfg.mask_token_id, cfg.num_target_layers) == (16, assets.SMOLLM2_MASK_TOKEN_ID, 30)
+    assert cfg.target_layer_ids == [1, 8, 14, 20, 27]
+    cfg.validate_target(AutoConfig.from_pretrained(converted))
+    shards = sorted(path.glob("*.safetensors"))
+    assert len(shards) == 3 and all(p.stat().st_size <= 15 * 1024 * 1024 for p in shards)
