@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import importlib.util
+import types
 import json
 import os
 import shutil
@@ -128,6 +130,10 @@ def write_dataset(prompts: list[str], path: Path) -> Path:
 def bench_serving(server: Server, tokenizer: Path, dataset: Path, conc: int, num_prompts: int, out_len: int,
                   temperature: float, out: Path) -> dict:
     """One `sglang.bench_serving` run, in-process (its CLI entry point with our argv)."""
+    if "datasets" not in sys.modules and importlib.util.find_spec("datasets") is None:
+        # sglang.benchmark imports HF `datasets` for its multimodal sets only; the custom set never calls it.
+        sys.modules["datasets"] = types.ModuleType("datasets")
+        sys.modules["datasets"].load_dataset = None
     from sglang.benchmark.serving import cli_main
 
     result_file = out / f"bs_{server.name}_c{conc}_t{temperature:g}.jsonl"
