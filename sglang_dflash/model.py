@@ -188,10 +188,23 @@ class DFlashDraftModel(nn.Module):
         return self.hidden_norm(self.fc(target_hidden.to(self.dtype)))
 
     def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[KV]:
-        """ctx ``[b, C, H]``, positions ``[b, C]`` -> per layer (k, v) ``[b, C, Hkv, D]`` (k normed + roped)."""
+        """ctx ``[b, C, H]``, positions ``[b, C]`` -> per layer (k, v) ``[b, C, Hkv, D]`` (k normed + roped).
+
+        Every layer's K and V come from one GEMM over the stacked projections, followed by one
+        k_norm and one RoPE over all layers (the same math as ``DFlashAttention.kv`` per layer):
+        this runs once per committed token on the serving hot path.
+        """
         ctx = ctx.to(self.dtype)
-        inv_freq = self.inv_freq(ctx.device)
-        return [layer.self_attn.kv(ctx, positions, inv_freq) for layer in self.layers]
+        attns = [layer.self_attn for layer in self.layers]
+        n, hkv, d = len(attns), attns[0].num_kv_heads, attns[0].head_dim
+        weight = torch.cat([w for a in attns for w in (a.k_proj.weight, a.v_proj.weight)])  # [n*2*hkv*d, H]
+        kv = F.linear(ctx, weight).view(*ctx.shape[:-1], n, 2, hkv, d)
+        k, v = kv[..., 0, :, :], kv[..., 1, :, :]  # [b, C, n, hkv, d]
+        kf = k.to(torch.float32) if k.dtype in (torch.float16, torch.bfloat16) else k
+        kf = kf * torch.rsqrt(kf.pow(2).mean(-1, keepdim=True) + attns[0].k_norm.eps)
+        k = torch.stack([a.k_norm.weight for a in attns])[:, None, :] * kf.to(k.dtype)
+        k = apply_rope(k.flatten(2, 3), positions, self.inv_freq(ctx.device)).view_as(v)
+        return [(k[:, :, i], v[:, :, i]) for i in range(n)]
 
     def forward(
         self,

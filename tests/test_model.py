@@ -232,3 +232,17 @@ def test_save_load_round_trip(tmp_path, max_shard_mb):
         assert torch.equal(loaded.state_dict()[k], v), k
     half = load_draft(tmp_path, dtype=torch.bfloat16)
     assert half.dtype == torch.bfloat16 and half.inv_freq(torch.device("cpu")).dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_context_kv_equals_per_layer_projection(dtype):
+    """context_kv (one GEMM + one norm + one RoPE for all layers) == each layer's own kv()."""
+    model = _random_model(_cfg()).to(dtype)
+    ctx = torch.randn(2, 9, model.cfg.hidden_size, dtype=dtype)
+    positions = torch.arange(9).expand(2, 9) + torch.tensor([[3], [40]])
+    fused = model.context_kv(ctx, positions)
+    inv_freq = model.inv_freq(ctx.device)
+    for (k, v), layer in zip(fused, model.layers):
+        k_ref, v_ref = layer.self_attn.kv(ctx, positions, inv_freq)
+        assert torch.equal(v, v_ref)
+        torch.testing.assert_close(k, k_ref, rtol=0, atol=0)
