@@ -4,7 +4,8 @@ Off by default: `PhaseTimer.from_env` then returns a timer whose phases are no-o
 context managers. When on, each phase is bracketed by a device synchronize, so the
 numbers are exact per phase but the step runs without CUDA-graph-level overlap
 between phases; "scheduler" is the wall time between the end of one step and the
-start of the next (everything SGLang does outside the worker).
+start of the next (everything SGLang does outside the worker), averaged over
+back-to-back steps only (gaps over IDLE_GAP_S are idle time).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import time
 from collections import defaultdict
 
 import torch
+
+
+IDLE_GAP_S = 0.1  # a longer gap between steps is the server idling, not scheduler work
 
 
 class PhaseTimer:
@@ -36,8 +40,9 @@ class PhaseTimer:
             return _null_phase
         self.sync()
         now = time.perf_counter()
-        if self._last_end is not None:
+        if self._last_end is not None and now - self._last_end < IDLE_GAP_S:
             self.totals["scheduler"] += now - self._last_end
+            self.totals["scheduler_steps"] += 1
         self.steps += 1
         self.tokens += batch_size
         return self._phase
@@ -54,8 +59,10 @@ class PhaseTimer:
             return
         self._last_end = time.perf_counter()
         if self.steps % 20 == 0:
-            summary = {"steps": self.steps, "requests_stepped": self.tokens,
-                       "ms_per_step": {k: 1e3 * v / self.steps for k, v in self.totals.items()}}
+            phases = {k: 1e3 * v / self.steps for k, v in self.totals.items() if not k.startswith("scheduler")}
+            if self.totals["scheduler_steps"]:
+                phases["scheduler"] = 1e3 * self.totals["scheduler"] / self.totals["scheduler_steps"]
+            summary = {"steps": self.steps, "requests_stepped": self.tokens, "ms_per_step": phases}
             with open(self.path, "w") as f:
                 json.dump(summary, f, indent=1)
 
