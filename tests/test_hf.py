@@ -380,3 +380,38 @@ def test_smollm2_greedy_equals_target(smollm2, block_size):
                                                mask_token_id=16)).eval()
     out = DFlashLM(target, draft).generate(prompts, max_new_tokens=16, stop_token_ids=stops)
     assert out.sequences == expected
+
+
+@pytest.fixture(scope="module")
+def bundled_run(smollm2):
+    """The committed drafter on held-out MT-Bench / GSM8K prompts: (DFlashOutput, target greedy sequences)."""
+    from transformers import AutoTokenizer
+
+    from sglang_dflash import data
+    from sglang_dflash.assets import bundled_drafter_path, smollm2_path
+    from sglang_dflash.model import load_draft
+
+    target, _, stops, _ = smollm2
+    tok = AutoTokenizer.from_pretrained(smollm2_path())
+    texts = data.mtbench_prompts(3) + data.gsm8k_prompts(3)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
+                                       return_dict=True)["input_ids"] for t in texts]
+    lm = DFlashLM(target, load_draft(bundled_drafter_path(), dtype=torch.float32).eval())
+    out = lm.generate(prompts, max_new_tokens=48, stop_token_ids=stops)
+    base = lm.target_generate_baseline(prompts, max_new_tokens=48, stop_token_ids=stops)
+    return out, base.sequences
+
+
+@pytest.mark.real_model
+def test_bundled_drafter_greedy_equals_target(bundled_run):
+    out, expected = bundled_run
+    assert out.sequences == expected
+    assert sum(a > 0 for log in out.accept_lens for a in log) > 0  # the trained drafter does get tokens accepted
+
+
+@pytest.mark.real_model
+@pytest.mark.xfail(strict=True, reason="issue #4: the bundled drafter is under-trained (tau ~1.3 measured on "
+                   "held-out sets, see benchmarks/RESULTS.md); this asserts the required tau > 2")
+def test_bundled_drafter_accept_length(bundled_run):
+    out, _ = bundled_run
+    assert out.mean_accept_length > 2.0, f"mean accept length {out.mean_accept_length:.2f}"
