@@ -68,6 +68,13 @@ class DFlashWorker(BaseSpecWorker):
                 f"sglang-dflash: target architecture {type(target).__name__} cannot expose the hidden "
                 "states of intermediate layers (no set_dflash_layers_to_capture). Use a Llama/Qwen-family target."
             )
+        num_layers = self.target_runner.model_config.hf_text_config.num_hidden_layers
+        if max(self.dcfg.target_layer_ids) >= num_layers - 1:
+            raise ValueError(
+                f"sglang-dflash: draft target_layer_ids {self.dcfg.target_layer_ids} include the target's last layer "
+                f"({num_layers - 1}); SGLang captures hidden states before a layer runs, so the last layer's output "
+                "cannot be captured. Use a draft trained on earlier layers."
+            )
         target.set_dflash_layers_to_capture(list(self.dcfg.target_layer_ids))
         self.embed = target.get_input_embeddings()
         self.lm_head_weight = target.lm_head.weight
