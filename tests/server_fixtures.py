@@ -1,0 +1,123 @@
+"""SmolLM2 servers for the DFLASH end-to-end tests: a no-spec reference and a DFLASH server.
+
+The drafter is the bundled one (``sglang_dflash.assets.bundled_drafter_path()``) when it is committed,
+otherwise a random 1-layer drafter written by :func:`make_random_drafter`; :func:`drafter_for_tests`
+says which. Both servers run float32 on CPU with the harness defaults plus ``--enable-cache-report``
+(SGLang fills the OpenAI ``usage.prompt_tokens_details.cached_tokens`` only with that flag).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import socket
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from harness.server import Server, launch_server
+
+# Flags of every server in these tests (on top of the harness CPU defaults).
+COMMON_ARGS = ("--dtype", "float32", "--enable-cache-report")
+# One intra-op thread per server: several servers share 2 cores in these tests, and OpenMP threads
+# spin-waiting on descheduled peers made each decode step ~20x slower than with one thread.
+SERVER_ENV = {"OMP_NUM_THREADS": "1"}
+RANDOM_DRAFTER_BLOCK_SIZE = 8
+
+
+def bundled_drafter() -> Path | None:
+    """The committed SmolLM2 drafter, or None while it is not in the tree."""
+    from sglang_dflash.assets import bundled_drafter_path
+
+    try:
+        return bundled_drafter_path()
+    except FileNotFoundError:
+        return None
+
+
+def mask_token_id() -> int:
+    """The bundled drafter's MASK id if it exists, else SmolLM2's unused ``<empty_output>`` (16)."""
+    from sglang_dflash.assets import SMOLLM2_MASK_TOKEN_ID
+
+    path = bundled_drafter()
+    if path is None:
+        return SMOLLM2_MASK_TOKEN_ID
+    return int(json.loads((path / "config.json").read_text())["dflash_config"]["mask_token_id"])
+
+
+def make_random_drafter(out_dir: str | Path, target_dir: str | Path, block_size: int = RANDOM_DRAFTER_BLOCK_SIZE,
+                        seed: int = 0) -> Path:
+    """Write a random bf16 1-layer DFlash drafter shaped for the target at ``target_dir`` to ``out_dir``."""
+    import torch
+    from transformers import AutoConfig
+
+    from sglang_dflash.config import DFlashDraftConfig
+    from sglang_dflash.model import DFlashDraftModel, save_draft
+
+    cfg = DFlashDraftConfig.from_target(AutoConfig.from_pretrained(target_dir), num_hidden_layers=1,
+                                        mask_token_id=mask_token_id(), block_size=block_size)
+    torch.manual_seed(seed)
+    save_draft(DFlashDraftModel(cfg).to(torch.bfloat16), out_dir)
+    return Path(out_dir)
+
+
+def drafter_for_tests(tmp_dir: str | Path, target_dir: str | Path) -> tuple[Path, bool]:
+    """(drafter directory, is_bundled): the bundled drafter, else a random one written under ``tmp_dir``."""
+    path = bundled_drafter()
+    if path is not None:
+        return path, True
+    return make_random_drafter(Path(tmp_dir) / "random-drafter", target_dir), False
+
+
+def nccl_port_args(n: int) -> list[list[str]]:
+    """``["--nccl-port", P]`` for ``n`` servers, with distinct ports that are free now.
+
+    SGLang otherwise binds its torch.distributed store to a port it picked with ``bind(0)`` (in the
+    ephemeral range) many seconds earlier; with several servers starting at once that port was taken
+    in between (EADDRINUSE). These ports come from below the ephemeral range (32768+), where neither
+    ``bind(0)`` nor outgoing connections land.
+    """
+    ports: list[int] = []
+    rng = random.Random()
+    while len(ports) < n:
+        port = rng.randrange(20000, 32000)
+        if port in ports:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+    return [["--nccl-port", str(p)] for p in ports]
+
+
+def dflash_args(draft_dir: str | Path, *extra: str) -> list[str]:
+    return ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft_dir), *extra]
+
+
+@contextlib.contextmanager
+def launch_servers(specs: Mapping[str, tuple[str | Path, Sequence[str]]], timeout: float = 600.0,
+                   log_dir: str | Path | None = None) -> Iterator[dict[str, Server]]:
+    """Start one server per ``name: (model_path, extra_args)`` concurrently; yield ``{name: Server}``.
+
+    Each gets its own ``--nccl-port`` (:func:`nccl_port_args`). Every server is killed on exit,
+    including the others when one fails to start.
+    """
+    with contextlib.ExitStack() as stack:
+        cms = {name: launch_server(model, [*args, *port], env=SERVER_ENV, timeout=timeout,
+                                   log_path=None if log_dir is None else Path(log_dir) / f"{name}.log")
+               for (name, (model, args)), port in zip(specs.items(), nccl_port_args(len(specs)))}
+        with ThreadPoolExecutor(max_workers=len(cms)) as pool:
+            futures = {name: pool.submit(cm.__enter__) for name, cm in cms.items()}
+        servers, errors = {}, []
+        for name, fut in futures.items():
+            if fut.exception() is None:
+                servers[name] = fut.result()
+                stack.push(cms[name].__exit__)
+            else:
+                errors.append(fut.exception())
+        if errors:
+            raise errors[0]
+        yield servers
