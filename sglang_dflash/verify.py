@@ -37,6 +37,9 @@ def target_probs(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     min_p: torch.Tensor,
+    *,
+    needs_filter: Optional[bool] = None,
+    any_greedy: Optional[bool] = None,
 ) -> torch.Tensor:
     """Target sampling distribution after SGLang's filtering rule (the one copy of it).
 
@@ -47,6 +50,8 @@ def target_probs(
         top_p: ``[b]`` in ``(0, 1]``; keep a token if the mass of strictly more likely tokens
             (in sorted order) is ``<= top_p`` (SGLang's rule; the most likely token is always kept).
         min_p: ``[b]`` in ``[0, 1]``; keep a token if its prob ``>= min_p * max prob``.
+        needs_filter / any_greedy: host-side hints (e.g. from SGLang's SamplingBatchInfo) that some row
+            filters / has temperature 0; None -> read from the tensors (one device sync each).
 
     Order: ``softmax(logits / temperature)``, then the top-k, top-p and min-p masks (all computed
     on that softmax), then renormalise.
@@ -66,22 +71,31 @@ def target_probs(
     scaled = logits.to(torch.float32) / torch.where(greedy, torch.ones_like(temp), temp)
     probs = torch.softmax(scaled, dim=-1)
 
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab, device=logits.device)
     k = top_k.view(bcast).to(torch.int64)
     k = torch.where((k < 1) | (k > vocab), torch.full_like(k, vocab), k)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep_sorted = (
-        (rank < k)
-        & (mass_before <= top_p.to(torch.float32).view(bcast))
-        & (sorted_probs >= min_p.to(torch.float32).view(bcast) * sorted_probs[..., :1])
-    )
-    keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
-    probs = probs.masked_fill(~keep, 0.0)
-    probs = probs / probs.sum(dim=-1, keepdim=True)
+    # The sort (and its ~5 vocab-sized temporaries) only when some row actually filters.
+    if needs_filter is None:
+        needs_filter = bool(((k < vocab) | (top_p.view(bcast) < 1) | (min_p.view(bcast) > 0)).any())
+    if needs_filter:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=logits.device)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        keep_sorted = (
+            (rank < k)
+            & (mass_before <= top_p.to(torch.float32).view(bcast))
+            & (sorted_probs >= min_p.to(torch.float32).view(bcast) * sorted_probs[..., :1])
+        )
+        del sorted_probs, mass_before
+        keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+        probs = probs.masked_fill_(~keep, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
 
-    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    return torch.where(greedy, one_hot, probs)
+    if any_greedy is None:
+        any_greedy = bool(greedy.any())
+    if any_greedy:
+        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(greedy, one_hot, probs)
+    return probs
 
 
 def greedy_predictions(target_logits: torch.Tensor) -> torch.Tensor:

@@ -98,17 +98,17 @@ def dflash_args(draft_dir: str | Path, *extra: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def launch_servers(specs: Mapping[str, tuple[str | Path, Sequence[str]]], timeout: float = 600.0,
+def launch_servers(specs: Mapping[str, tuple], timeout: float = 600.0,
                    log_dir: str | Path | None = None) -> Iterator[dict[str, Server]]:
-    """Start one server per ``name: (model_path, extra_args)`` concurrently; yield ``{name: Server}``.
+    """Start one server per ``name: (model_path, extra_args[, env])`` concurrently; yield ``{name: Server}``.
 
     Each gets its own ``--nccl-port`` (:func:`nccl_port_args`). Every server is killed on exit,
     including the others when one fails to start.
     """
     with contextlib.ExitStack() as stack:
-        cms = {name: launch_server(model, [*args, *port], env=SERVER_ENV, timeout=timeout,
-                                   log_path=None if log_dir is None else Path(log_dir) / f"{name}.log")
-               for (name, (model, args)), port in zip(specs.items(), nccl_port_args(len(specs)))}
+        cms = {name: launch_server(spec[0], [*spec[1], *port], env={**SERVER_ENV, **(spec[2] if len(spec) > 2 else {})},
+                                   timeout=timeout, log_path=None if log_dir is None else Path(log_dir) / f"{name}.log")
+               for (name, spec), port in zip(specs.items(), nccl_port_args(len(specs)))}
         with ThreadPoolExecutor(max_workers=len(cms)) as pool:
             futures = {name: pool.submit(cm.__enter__) for name, cm in cms.items()}
         servers, errors = {}, []

@@ -31,6 +31,7 @@ EXPECTED_SIGNATURES = {
         "target_model_config", "draft_backend"],
     "sglang.srt.model_executor.model_runner.ModelRunner.forward": ["self", "forward_batch"],
     "sglang.srt.speculative.dflash_utils.validate_dflash_request": ["req", "enable_overlap"],
+    "sglang.srt.arg_groups.speculative_hook.handle_speculative_decoding": ["server_args"],
     "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation": [
         "self", "batch", "forward_batch", "pp_proxy_tensors", "is_verify", "skip_attn_backend_init",
         "capture_hidden_mode"],
@@ -90,6 +91,9 @@ def install() -> None:
         return
 
     HookRegistry.register(
+        "sglang.srt.arg_groups.speculative_hook.handle_speculative_decoding", _check_draft_first, HookType.BEFORE
+    )
+    HookRegistry.register(
         "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.handle_server_args",
         _handle_server_args, HookType.AROUND,
     )
@@ -114,6 +118,15 @@ def _handle_server_args(original, algo, server_args):
     from sglang_dflash.adapter.server_args import resolve_server_args
 
     resolve_server_args(server_args)
+
+
+def _check_draft_first(server_args):
+    """Before SGLang reads the draft's config (it would fail with a generic message), check it is a DFlash draft."""
+    algo = (server_args.speculative_algorithm or "").upper()
+    if algo == "DFLASH" and selected_impl() == "sglang_dflash":
+        from sglang_dflash.adapter.server_args import load_draft_config
+
+        load_draft_config(server_args)
 
 
 def _create_worker(original, algo, server_args):

@@ -15,15 +15,20 @@ def _fail(problem: str, fix: str):
     raise ValueError(f"sglang-dflash: {problem}. {fix}")
 
 
-def resolve_server_args(server_args) -> None:
-    """Validate flags and the draft checkpoint; fix block size, steps and scheduling mode."""
+def load_draft_config(server_args) -> DFlashDraftConfig:
+    """The draft's DFlashDraftConfig, or a clear error naming the problem and the fix."""
     if server_args.speculative_draft_model_path is None:
         _fail("--speculative-algorithm DFLASH needs a draft model",
               "Add --speculative-draft-model-path DIR (a z-lab format DFlash draft).")
     try:
-        dcfg = DFlashDraftConfig.from_pretrained(server_args.speculative_draft_model_path)
+        return DFlashDraftConfig.from_pretrained(server_args.speculative_draft_model_path)
     except (DFlashConfigError, OSError) as e:
         raise ValueError(f"sglang-dflash: cannot use draft {server_args.speculative_draft_model_path!r}: {e}") from e
+
+
+def resolve_server_args(server_args) -> None:
+    """Validate flags and the draft checkpoint; fix block size, steps and scheduling mode."""
+    dcfg = load_draft_config(server_args)
 
     if server_args.tp_size != 1 or server_args.pp_size != 1 or server_args.dp_size != 1:
         _fail(f"tensor/pipeline/data parallel sizes {server_args.tp_size}/{server_args.pp_size}/"

@@ -229,7 +229,10 @@ class DFlashWorker(BaseSpecWorker):
             target_tokens = logits.argmax(dim=-1)
         else:
             probs = target_probs(logits, info.temperatures.view(-1), info.top_ks.view(-1),
-                                 info.top_ps.view(-1), info.min_ps.view(-1))
+                                 info.top_ps.view(-1), info.min_ps.view(-1),
+                                 needs_filter=info.need_top_p_sampling or info.need_top_k_sampling
+                                 or info.need_min_p_sampling,
+                                 any_greedy=False)  # SGLang encodes greedy rows as top_k=1, temperature 1
             target_tokens = sample_predictions(draft_tokens, probs)
         return accept_tokens(draft_tokens, target_tokens, batch.seq_lens.to(torch.int64))
 
