@@ -10,6 +10,7 @@ Requests are sent concurrently so verify steps run on mixed batches.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -554,7 +555,7 @@ def test_retraction_and_chunked_prefill_keep_greedy_exact(servers, greedy_cases,
     bad = [m for m in (_mismatch(c, w, g) for (c, w), g in zip(rows, got)) if m]
     assert not bad, f"{len(bad)}/{len(rows)} requests differ from no-spec:\n" + "\n".join(bad)
     log = stress.log_text()
-    assert "Retract requests" in log, "no retraction happened; the test did not exercise it"
+    assert re.search(r"#retracted_reqs: [1-9]", log), "no request was retracted; the test did not exercise it"
     assert max(len(c.input_ids) for c, _ in rows) > 64  # some prompt really needed several chunks
 
 
