@@ -1,0 +1,119 @@
+"""Adapter pieces that need no server: SGLang compatibility check, request refusal, server-arg resolution,
+and the carried draft state (filter/merge). The served behaviour is in test_server_dflash.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_dflash.adapter import hooks
+from sglang_dflash.config import DFlashDraftConfig
+from sglang_dflash.model import DFlashDraftModel, save_draft
+
+
+def test_sglang_0_5_17_matches_every_hooked_signature():
+    assert hooks.check_sglang_compat() == []
+
+
+def test_signature_mismatch_is_reported(monkeypatch):
+    monkeypatch.setitem(hooks.EXPECTED_SIGNATURES,
+                        "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation", ["self", "no_such"])
+    problems = hooks.check_sglang_compat()
+    assert len(problems) == 1 and "forward_batch_generation" in problems[0] and "no_such" in problems[0]
+
+
+def test_impl_switch(monkeypatch):
+    monkeypatch.delenv(hooks.IMPL_ENV, raising=False)
+    assert hooks.selected_impl() == "sglang_dflash"
+    monkeypatch.setenv(hooks.IMPL_ENV, "builtin")
+    assert hooks.selected_impl() == "builtin"
+    monkeypatch.setenv(hooks.IMPL_ENV, "other")
+    with pytest.raises(ValueError, match="not one of"):
+        hooks.selected_impl()
+
+
+def _req(**sampling):
+    params = dict(frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0, min_new_tokens=0,
+                  logit_bias=None, regex=None, json_schema=None, ebnf=None, structural_tag=None, max_new_tokens=16)
+    params.update(sampling)
+    return SimpleNamespace(sampling_params=SimpleNamespace(**params), custom_logit_processor=None,
+                           return_logprob=False, return_hidden_states=False)
+
+
+@pytest.mark.parametrize("field,value", [("frequency_penalty", 0.5), ("presence_penalty", -0.2),
+                                         ("repetition_penalty", 1.1), ("min_new_tokens", 4),
+                                         ("logit_bias", {"3": 1.0}), ("regex", "a+"), ("json_schema", "{}")])
+def test_unsupported_sampling_is_refused_with_its_name(field, value):
+    msg = hooks.request_error(_req(**{field: value}))
+    assert msg.startswith("sglang-dflash:") and field in msg
+
+
+def test_plain_and_prompt_scoring_requests_are_served():
+    assert hooks.request_error(_req()) is None
+    scoring = _req(max_new_tokens=0)
+    scoring.return_logprob = True
+    assert hooks.request_error(scoring) is None
+    decode_logprobs = _req()
+    decode_logprobs.return_logprob = True
+    assert "return_logprob" in hooks.request_error(decode_logprobs)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    cfg = DFlashDraftConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=100, num_target_layers=8, mask_token_id=5,
+                            head_dim=16, block_size=8)
+    path = tmp_path_factory.mktemp("draft")
+    save_draft(DFlashDraftModel(cfg), path)
+    return path
+
+
+def _args(draft, **overrides):
+    args = dict(speculative_draft_model_path=str(draft), tp_size=1, pp_size=1, dp_size=1, page_size=1,
+                speculative_draft_window_size=None, attention_backend=None, speculative_eagle_topk=None,
+                speculative_num_steps=None, speculative_dflash_block_size=None, speculative_num_draft_tokens=None,
+                disable_overlap_schedule=False)
+    args.update(overrides)
+    return SimpleNamespace(**args)
+
+
+def test_server_args_resolved_from_the_draft(draft_dir):
+    from sglang_dflash.adapter.server_args import resolve_server_args
+
+    args = _args(draft_dir)
+    resolve_server_args(args)
+    assert (args.speculative_num_draft_tokens, args.speculative_dflash_block_size) == (8, 8)
+    assert (args.speculative_num_steps, args.speculative_eagle_topk, args.disable_overlap_schedule) == (1, 1, True)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"tp_size": 2}, "parallel sizes 2/1/1"),
+    ({"page_size": 16}, "--page-size 16"),
+    ({"attention_backend": "triton"}, "--attention-backend triton"),
+    ({"speculative_dflash_block_size": 65}, r"block size 65 is out of range \[2, 64\]"),
+    ({"speculative_dflash_block_size": 8, "speculative_num_draft_tokens": 4}, "differ"),
+    ({"speculative_eagle_topk": 4}, "must be 1"),
+    ({"speculative_draft_window_size": 128}, "draft-window-size"),
+    ({"speculative_draft_model_path": None}, "needs a draft model"),
+])
+def test_unsupported_flags_fail_with_the_fix(draft_dir, overrides, message):
+    from sglang_dflash.adapter.server_args import resolve_server_args
+
+    with pytest.raises(ValueError, match=message) as err:
+        resolve_server_args(_args(draft_dir, **overrides))
+    assert str(err.value).startswith("sglang-dflash:")
+
+
+def test_draft_state_filter_and_merge():
+    from sglang_dflash.adapter.spec_inputs import DFlashDraftState
+
+    a = DFlashDraftState(bonus_tokens=torch.tensor([10, 11, 12]), block_size=4,
+                         reserved_seq_lens_cpu=torch.tensor([20, 21, 22], dtype=torch.int32))
+    a.filter_batch(torch.tensor([0, 2]))
+    assert a.bonus_tokens.tolist() == [10, 12] and a.reserved_seq_lens_cpu.tolist() == [20, 22]
+    b = DFlashDraftState(bonus_tokens=torch.tensor([13]), block_size=4,
+                         reserved_seq_lens_cpu=torch.tensor([23], dtype=torch.int32))
+    a.merge_batch(b)
+    assert a.bonus_tokens.tolist() == [10, 12, 13] and a.reserved_seq_lens_cpu.tolist() == [20, 22, 23]
