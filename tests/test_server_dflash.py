@@ -502,6 +502,28 @@ def test_broken_draft_fails_startup(case, broken_startup_logs, target):
 # ----------------------------------------------------------------------------------------------- 7. refusals
 
 
+def test_decode_logprobs_match_nospec(nospec, dflash, tokenizer):
+    """return_logprob on decode: same tokens, per-token logprobs and top-3 alternatives as no-spec
+    (float32 CPU; verify vs decode forwards round differently, hence the tolerance)."""
+    from sglang_dflash import data
+
+    ids = chat_ids(tokenizer, data.apply_chat(["Name three planets."], tokenizer))[0]
+    payload = {"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": 24},
+               "return_logprob": True, "top_logprobs_num": 3, "token_ids_logprob": [ids[-1], 11]}
+    want, got = on_both(nospec, dflash, lambda s: s.post("/generate", payload))
+    assert got["output_ids"] == want["output_ids"]
+    w, g = want["meta_info"]["output_token_logprobs"], got["meta_info"]["output_token_logprobs"]
+    assert [t for _, t, _ in g] == [t for _, t, _ in w] == got["output_ids"]
+    assert [lp for lp, _, _ in g] == pytest.approx([lp for lp, _, _ in w], abs=1e-3)
+    wt, gt = want["meta_info"]["output_top_logprobs"], got["meta_info"]["output_top_logprobs"]
+    assert len(gt) == len(wt) == len(got["output_ids"]) and all(len(row) == 3 for row in gt)
+    assert [row[0][1] for row in gt] == [row[0][1] for row in wt]  # top-1 ids
+    assert [lp for row in gt for lp, _, _ in row] == pytest.approx([lp for row in wt for lp, _, _ in row], abs=1e-3)
+    wi, gi = want["meta_info"]["output_token_ids_logprobs"], got["meta_info"]["output_token_ids_logprobs"]
+    assert [[t for _, t, _ in row] for row in gi] == [[t for _, t, _ in row] for row in wi]
+    assert [lp for row in gi for lp, _, _ in row] == pytest.approx([lp for row in wi for lp, _, _ in row], abs=1e-3)
+
+
 def test_unsupported_request_refused_and_prompt_scoring_works(nospec, dflash, tokenizer, target):
     import openai
 
@@ -513,8 +535,6 @@ def test_unsupported_request_refused_and_prompt_scoring_works(nospec, dflash, to
             {"input_ids": ids, "sampling_params": {"max_new_tokens": 8, "frequency_penalty": 0.5}},
         "sglang-dflash: min_new_tokens=4 is not supported with DFLASH":
             {"input_ids": ids, "sampling_params": {"max_new_tokens": 8, "min_new_tokens": 4}},
-        "sglang-dflash: return_logprob is supported for prompt scoring (max_new_tokens=0) only":
-            {"input_ids": ids, "sampling_params": {"max_new_tokens": 4}, "return_logprob": True},
     }
     for message, payload in refused.items():
         r = requests.post(f"{dflash.base_url}/generate", json=payload, timeout=120)

@@ -142,6 +142,7 @@ def _create_worker(original, algo, server_args):
 _UNSUPPORTED_DEFAULTS = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
                          "min_new_tokens": 0}
 _UNSUPPORTED_SET = ("logit_bias", "regex", "json_schema", "ebnf", "structural_tag")
+# return_logprob is served: prompt logprobs by the target's prefill, decode logprobs by DFlashWorker.attach_logprobs.
 
 
 def request_error(req) -> str | None:
@@ -157,9 +158,6 @@ def request_error(req) -> str | None:
             return f"sglang-dflash: {name} is not supported with DFLASH yet. {fix}"
     if getattr(req, "custom_logit_processor", None):
         return f"sglang-dflash: custom logit processors are not supported with DFLASH yet. {fix}"
-    if req.return_logprob and sp.max_new_tokens != 0:
-        return ("sglang-dflash: return_logprob is supported for prompt scoring (max_new_tokens=0) only; "
-                "decode logprobs are not returned with DFLASH yet. " + fix)
     if getattr(req, "return_hidden_states", False):
         return f"sglang-dflash: return_hidden_states is not supported with DFLASH. {fix}"
     return None

@@ -139,6 +139,8 @@ class DFlashWorker(BaseSpecWorker):
             accept_lens, bonus, committed, new_seq_lens = self.accept(batch, draft_tokens, logits_output)
         with t("commit_kv"):
             self.commit_kv(logits_output.hidden_states, block.positions, block.out_cache_loc)
+        if batch.return_logprob:
+            self.attach_logprobs(batch, logits_output, committed)
         self.timer.end_step()
         logits_output.hidden_states = None
         return GenerationBatchResult(
@@ -235,6 +237,26 @@ class DFlashWorker(BaseSpecWorker):
                                  any_greedy=False)  # SGLang encodes greedy rows as top_k=1, temperature 1
             target_tokens = sample_predictions(draft_tokens, probs)
         return accept_tokens(draft_tokens, target_tokens, batch.seq_lens.to(torch.int64))
+
+    def attach_logprobs(self, batch, logits_output, committed: torch.Tensor) -> None:
+        """Decode logprobs of the committed tokens, as SGLang's sampler defines them: log_softmax of the
+        temperature-scaled logits at each token's verify position. committed [bs, B] (-1 padded); the
+        scheduler reads the first accept_len+1 entries of each row (and of each top-k / token-ids list)."""
+        bs, B = committed.shape
+        temps = batch.sampling_info.temperatures.view(bs, 1, 1).float()
+        logp = torch.log_softmax(logits_output.next_token_logits.view(bs, B, -1).float() / temps, dim=-1)
+        logits_output.next_token_logprobs = logp.gather(-1, committed.clamp(min=0)[..., None]).squeeze(-1)
+        flat = logp.view(bs * B, -1)
+        top_nums = [n for n in batch.top_logprobs_nums for _ in range(B)]
+        if any(top_nums):
+            vals, idx = flat.topk(max(top_nums), dim=-1)
+            logits_output.next_token_top_logprobs_val = [vals[r, :k] for r, k in enumerate(top_nums)]
+            logits_output.next_token_top_logprobs_idx = [idx[r, :k] for r, k in enumerate(top_nums)]
+        token_ids = [ids for ids in batch.token_ids_logprobs for _ in range(B)]
+        if any(ids is not None for ids in token_ids):
+            logits_output.next_token_token_ids_logprobs_val = [
+                flat[r, ids] if ids is not None else flat.new_empty(0) for r, ids in enumerate(token_ids)]
+            logits_output.next_token_token_ids_logprobs_idx = [ids or [] for ids in token_ids]
 
     def commit_kv(self, aux_hidden: torch.Tensor, positions: torch.Tensor, cache_loc: torch.Tensor) -> None:
         self.draft_model.write_context_kv(aux_hidden, positions, cache_loc, self.draft_runner.token_to_kv_pool)
