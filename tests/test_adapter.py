@@ -117,3 +117,29 @@ def test_draft_state_filter_and_merge():
                          reserved_seq_lens_cpu=torch.tensor([23], dtype=torch.int32))
     a.merge_batch(b)
     assert a.bonus_tokens.tolist() == [10, 12, 13] and a.reserved_seq_lens_cpu.tolist() == [20, 22, 23]
+
+
+def test_mismatched_sglang_refuses_dflash_only():
+    """On an SGLang whose hooked symbols differ, DFLASH is refused with the supported version; others still work.
+    Runs in a subprocess: installing hooks patches SGLang process-wide."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        from sglang_dflash.adapter import hooks
+        hooks.check_sglang_compat = lambda: ["sglang==9.9 installed"]
+        hooks.install()
+        from sglang.srt.plugins.hook_registry import HookRegistry
+        HookRegistry.apply_hooks()
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+        assert SpeculativeAlgorithm.from_string("EAGLE") is SpeculativeAlgorithm.EAGLE
+        try:
+            SpeculativeAlgorithm.from_string("DFLASH")
+        except RuntimeError as e:
+            print("REFUSED:", e)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "REFUSED: sglang-dflash supports SGLang 0.5.17 only" in out.stdout
+    assert "sglang==9.9 installed" in out.stdout and "SGLANG_DFLASH_IMPL=builtin" in out.stdout
