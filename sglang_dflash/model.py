@@ -321,11 +321,9 @@ def _read_state_dict(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_draft(path: str | os.PathLike, device=None, dtype: Optional[torch.dtype] = None) -> DFlashDraftModel:
-    """Load a z-lab format draft (config.json + safetensors, possibly sharded). dtype None -> config torch_dtype."""
-    path = os.fspath(path)
-    cfg = DFlashDraftConfig.from_pretrained(path)
-    state = _read_state_dict(path)
+def check_draft_state(model: DFlashDraftModel, state: dict[str, torch.Tensor], source: str) -> None:
+    """Raise DFlashConfigError unless ``state`` holds exactly ``model``'s weights with its shapes."""
+    cfg = model.cfg
     fc = state.get("fc.weight")
     if fc is not None and tuple(fc.shape) != (cfg.hidden_size, cfg.context_feature_size):
         raise DFlashConfigError(
@@ -334,24 +332,32 @@ def load_draft(path: str | os.PathLike, device=None, dtype: Optional[torch.dtype
             f"(expected ({cfg.hidden_size}, {cfg.context_feature_size})); make dflash_config.target_layer_ids "
             "list exactly the target layers the draft was trained on."
         )
+    expected = model.state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise DFlashConfigError(
+            f"checkpoint {source!r} does not match the DFlash draft layout: missing {missing[:8]}, unexpected "
+            f"{unexpected[:8]}; expected z-lab names (layers.*, norm, fc, hidden_norm; no embeddings/lm_head)."
+        )
+    bad = [k for k, t in expected.items() if tuple(state[k].shape) != tuple(t.shape)]
+    if bad:
+        raise DFlashConfigError(
+            f"weight shapes do not match config.json for {bad[:8]} (e.g. {bad[0]}: checkpoint "
+            f"{tuple(state[bad[0]].shape)} vs config {tuple(expected[bad[0]].shape)}); fix config.json."
+        )
+
+
+def load_draft(path: str | os.PathLike, device=None, dtype: Optional[torch.dtype] = None) -> DFlashDraftModel:
+    """Load a z-lab format draft (config.json + safetensors, possibly sharded). dtype None -> config torch_dtype."""
+    path = os.fspath(path)
+    cfg = DFlashDraftConfig.from_pretrained(path)
+    state = _read_state_dict(path)
+    model = DFlashDraftModel(cfg)
+    check_draft_state(model, state, path)
     if dtype is None:
         if cfg.torch_dtype not in _DTYPES:
             raise DFlashConfigError(f"torch_dtype={cfg.torch_dtype!r} is unknown; use one of {list(_DTYPES)}.")
         dtype = _DTYPES[cfg.torch_dtype]
-    model = DFlashDraftModel(cfg)
-    expected = set(model.state_dict())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise DFlashConfigError(
-            f"checkpoint {path!r} does not match the DFlash draft layout: missing {missing[:8]}, unexpected "
-            f"{unexpected[:8]}; expected z-lab names (layers.*, norm, fc, hidden_norm; no embeddings/lm_head)."
-        )
-    bad = [k for k, t in model.state_dict().items() if tuple(state[k].shape) != tuple(t.shape)]
-    if bad:
-        raise DFlashConfigError(
-            f"weight shapes do not match config.json for {bad[:8]} (e.g. {bad[0]}: checkpoint "
-            f"{tuple(state[bad[0]].shape)} vs config {tuple(model.state_dict()[bad[0]].shape)}); fix config.json."
-        )
     model.load_state_dict(state)
     return model.to(device=device, dtype=dtype).eval()
 

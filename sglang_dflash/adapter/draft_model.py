@@ -24,7 +24,7 @@ from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 from sglang_dflash.config import DFlashDraftConfig
-from sglang_dflash.model import DFlashDraftModel
+from sglang_dflash.model import DFlashDraftModel, check_draft_state
 
 
 class SGLangDFlashDraft(nn.Module):
@@ -90,25 +90,11 @@ class SGLangDFlashDraft(nn.Module):
             kv_pool.set_kv_buffer(self.attn[i], cache_loc, k[0], v[0])
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.core.named_parameters())
-        seen = set()
-        for name, w in weights:
-            name = name[len("model."):] if name.startswith("model.") else name
-            if name not in params:
-                continue  # e.g. rotary caches in some exports
-            if tuple(params[name].shape) != tuple(w.shape):
-                raise ValueError(
-                    f"sglang-dflash: draft weight {name!r} has shape {tuple(w.shape)}, config expects "
-                    f"{tuple(params[name].shape)}. The checkpoint does not match its config.json."
-                )
-            params[name].data.copy_(w)
-            seen.add(name)
-        missing = sorted(set(params) - seen)
-        if missing:
-            raise ValueError(
-                f"sglang-dflash: draft checkpoint is missing weights {missing[:4]}... "
-                "Point --speculative-draft-model-path at a complete DFlash draft directory."
-            )
+        """Load through the core's checks; extra tensors (e.g. rotary caches of some exports) are ignored."""
+        expected = self.core.state_dict()
+        state = {k: w for k, w in ((n.removeprefix("model."), w) for n, w in weights) if k in expected}
+        check_draft_state(self.core, state, self.config.name_or_path or "draft")
+        self.core.load_state_dict(state)
 
 
 EntryClass = [SGLangDFlashDraft]

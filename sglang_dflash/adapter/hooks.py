@@ -24,9 +24,7 @@ EXPECTED_SIGNATURES = {
     "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.handle_server_args": ["self", "server_args"],
     "sglang.srt.managers.tp_worker.TpModelWorker.__init__": [
         "self", "server_args", "gpu_id", "ps", "nccl_port", "is_draft_worker"],
-    "sglang.srt.mem_cache.allocation.alloc_for_spec_decode": [
-        "tree_cache", "req_to_token_pool", "reqs", "req_pool_indices", "cur_kv_lens", "cur_kv_lens_cpu",
-        "nxt_kv_lens", "nxt_kv_lens_cpu", "num_needed_tokens", "batch"],
+    "sglang.srt.mem_cache.allocation.alloc_token_slots": ["tree_cache", "num_tokens"],
     "sglang.srt.speculative.draft_worker_common.draft_server_args_overrides": [
         "target_model_config", "draft_backend"],
     "sglang.srt.model_executor.model_runner.ModelRunner.forward": ["self", "forward_batch"],

@@ -46,10 +46,6 @@ from sglang_dflash.verify import sample_predictions, target_probs
 
 logger = logging.getLogger(__name__)
 
-# Attention backends whose TARGET_VERIFY path reads `seq_lens` as the committed prefix
-# (the block is added by `generate_attn_arg_prefill`); torch_native reads it as the
-# full KV length and needs extend_prefix_lens / extend_seq_lens.
-_PAGED_VERIFY_BACKENDS = ("flashinfer", "fa3", "triton")
 
 
 class DFlashWorker(BaseSpecWorker):
@@ -81,7 +77,9 @@ class DFlashWorker(BaseSpecWorker):
         self.mask_token_id = int(self.dcfg.mask_token_id)
 
         self.backend = server_args.attention_backend or "flashinfer"
-        self.paged_verify = self.backend in _PAGED_VERIFY_BACKENDS
+        # FlashInfer's TARGET_VERIFY reads `seq_lens` as the committed prefix (the block is added by
+        # `generate_attn_arg_prefill`); torch_native reads it as the full KV length and needs extend lens.
+        self.paged_verify = self.backend != "torch_native"
         self._draft_worker = self._build_draft_worker(server_args, gpu_id, ps, nccl_port)
         self.draft_runner = self._draft_worker.model_runner
         self.draft_model: SGLangDFlashDraft = self.draft_runner.model
@@ -183,14 +181,12 @@ class DFlashWorker(BaseSpecWorker):
         )
         return _Block(input_ids, positions, out_cache_loc)
 
-    def _forward_batch(self, batch, block: "_Block", input_ids, runner, capture) -> ForwardBatch:
+    def _forward_batch(self, batch, block: "_Block", input_ids, capture) -> ForwardBatch:
         """TARGET_VERIFY-mode ForwardBatch over one block per request."""
         bs, B = batch.batch_size(), self.block_size
         prefix_cpu = batch.seq_lens_cpu.to(torch.int64)
-        if self.paged_verify:
-            seq_lens, seq_lens_cpu = batch.seq_lens, prefix_cpu + B
-        else:
-            seq_lens, seq_lens_cpu = batch.seq_lens + B, prefix_cpu + B
+        seq_lens_cpu = prefix_cpu + B  # host bound: committed prefix + the block
+        seq_lens = batch.seq_lens if self.paged_verify else batch.seq_lens + B
         spec_info = DFlashBlockInput(draft_token=input_ids, positions=block.positions, draft_token_num=B,
                                      capture_hidden_mode=capture)
         fb = ForwardBatch(
@@ -210,7 +206,7 @@ class DFlashWorker(BaseSpecWorker):
 
     def draft(self, batch, block: "_Block") -> torch.Tensor:
         """-> draft_tokens [bs, B]: column 0 = bonus token, 1.. = draft proposals."""
-        fb = self._forward_batch(batch, block, block.input_ids, self.draft_runner, CaptureHiddenMode.NULL)
+        fb = self._forward_batch(batch, block, block.input_ids, CaptureHiddenMode.NULL)
         fb.input_embeds = self.embed(block.input_ids)
         hidden = self.draft_runner.forward(fb).logits_output.hidden_states
         bs, B = batch.batch_size(), self.block_size
@@ -219,7 +215,7 @@ class DFlashWorker(BaseSpecWorker):
         return torch.cat([block.input_ids.view(bs, B)[:, :1], proposals], dim=1)
 
     def verify(self, batch, block: "_Block", draft_tokens: torch.Tensor):
-        fb = self._forward_batch(batch, block, draft_tokens.reshape(-1), self.target_runner, CaptureHiddenMode.FULL)
+        fb = self._forward_batch(batch, block, draft_tokens.reshape(-1), CaptureHiddenMode.FULL)
         out = self.target_runner.forward(fb)
         return out.logits_output, out.can_run_graph
 
