@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import random
-import socket
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from harness.server import Server, launch_server
+from harness.server import Server, free_port, launch_server
 
 # Flags of every server in these tests (on top of the harness CPU defaults).
 COMMON_ARGS = ("--dtype", "float32", "--enable-cache-report")
@@ -71,26 +69,13 @@ def drafter_for_tests(tmp_dir: str | Path, target_dir: str | Path) -> tuple[Path
 
 
 def nccl_port_args(n: int) -> list[list[str]]:
-    """``["--nccl-port", P]`` for ``n`` servers, with distinct ports that are free now.
+    """``["--nccl-port", P]`` for ``n`` servers, ports from :func:`harness.server.free_port`.
 
     SGLang otherwise binds its torch.distributed store to a port it picked with ``bind(0)`` (in the
     ephemeral range) many seconds earlier; with several servers starting at once that port was taken
-    in between (EADDRINUSE). These ports come from below the ephemeral range (32768+), where neither
-    ``bind(0)`` nor outgoing connections land.
+    in between (EADDRINUSE).
     """
-    ports: list[int] = []
-    rng = random.Random()
-    while len(ports) < n:
-        port = rng.randrange(20000, 32000)
-        if port in ports:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        ports.append(port)
-    return [["--nccl-port", str(p)] for p in ports]
+    return [["--nccl-port", str(free_port())] for _ in range(n)]
 
 
 def dflash_args(draft_dir: str | Path, *extra: str) -> list[str]:

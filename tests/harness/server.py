@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -59,11 +60,27 @@ class ServerStartupError(RuntimeError):
     """The server process exited or timed out before ``/health_generate`` answered 200."""
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that is free now, below the ephemeral range (32768+) and not handed out before.
+
+    ``bind(0)`` ports come from the ephemeral range, where a server starting next to ours (SGLang picks its
+    internal ports there) can take the port between our check and the server's own bind (EADDRINUSE).
+    """
+    rng = random.Random()
+    while True:
+        port = rng.randrange(20000, 32000)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
 
 
 def _option_names(args: Sequence[str]) -> set[str]:
