@@ -30,10 +30,11 @@ from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from .config import DFlashDraftConfig, select_target_layers
 from .data import load_prompt_file, training_prompts
-from .model import DFlashDraftModel, save_draft
+from .model import DFlashDraftModel, load_draft, save_draft
 
 # Paper defaults for the loss-decay constant: gamma=7 (B=16), 5 (B=10), 4 (B=8).
 _PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -86,6 +87,7 @@ class TrainArgs:
     gen_temperature: float = 0.0
     checkpoint_every: int = 0
     log_every: int = 10
+    init_from: Optional[str] = None  # continue from a saved drafter (same config) instead of a fresh init
     # wall-clock budgets (None = unbounded). max_train_seconds sets the step count from the measured speed
     # (re-estimated at steps 15, 50, 150 and 400, timing from step 5); the cosine schedule follows the estimate
     # and the log records the final count (steps_run), so --steps reproduces the schedule.
@@ -395,7 +397,10 @@ def train(
     cfg = build_draft_config(target.config, tokenizer, args)
     gamma = args.gamma if args.gamma is not None else default_gamma(args.block_size)
     draft = DFlashDraftModel(cfg).to(device=device, dtype=torch.float32)
-    _init_weights(draft, seed=args.seed)
+    if args.init_from:
+        _load_init(draft, args.init_from)
+    else:
+        _init_weights(draft, seed=args.seed, final_norm=getattr(target.base_model, "norm", None))
     autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
     opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
                             fused=device.type == "cuda")
@@ -478,8 +483,9 @@ def _mean(rows: list[dict], key: str) -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
-def _init_weights(draft: DFlashDraftModel, seed: int, std: float = 0.02) -> None:
-    """Deterministic init: normal(0, std) linears, unit RMSNorm weights (nothing copied from the target)."""
+def _init_weights(draft: DFlashDraftModel, seed: int, std: float = 0.02, final_norm: Optional[nn.Module] = None) -> None:
+    """Deterministic init: normal(0, std) linears, unit RMSNorm weights; the final norm copies ``final_norm``'s
+    weight (the target's last norm) when given, so the shared lm_head sees hidden states at its usual scale."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in draft.named_parameters():
@@ -487,6 +493,25 @@ def _init_weights(draft: DFlashDraftModel, seed: int, std: float = 0.02) -> None
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
             else:
                 p.fill_(1.0)
+        weight = getattr(final_norm, "weight", None)
+        if weight is not None and weight.shape == draft.norm.weight.shape:
+            draft.norm.weight.copy_(weight.detach().float())
+
+
+def _load_init(draft: DFlashDraftModel, path: str) -> None:
+    """Continue from the drafter saved at ``path``; its config must match the one being trained."""
+    prev = load_draft(path, device="cpu", dtype=torch.float32)
+    mine, theirs = draft.cfg.to_dict(), prev.cfg.to_dict()
+    keys = ("num_hidden_layers", "block_size", "hidden_size", "vocab_size")
+    diff = {k: (theirs.get(k), mine.get(k)) for k in keys if theirs.get(k) != mine.get(k)}
+    if prev.cfg.target_layer_ids != draft.cfg.target_layer_ids or prev.cfg.mask_token_id != draft.cfg.mask_token_id:
+        diff["target_layer_ids/mask_token_id"] = ((prev.cfg.target_layer_ids, prev.cfg.mask_token_id),
+                                                  (draft.cfg.target_layer_ids, draft.cfg.mask_token_id))
+    if diff:
+        raise ValueError(f"--init-from {path}: its config differs from this run's (saved, requested): {diff}; "
+                         "pass the same --block-size/--num-draft-layers/--target-layer-ids/--mask-token-id")
+    with torch.no_grad():
+        draft.load_state_dict({k: v.to(draft.device) for k, v in prev.state_dict().items()})
 
 
 def _save(draft: DFlashDraftModel, path: Path) -> None:
@@ -547,6 +572,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--gen-batch-size", type=int, default=d.gen_batch_size)
     p.add_argument("--gen-temperature", type=float, default=d.gen_temperature)
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
+    p.add_argument("--init-from", default=None, help="continue from this drafter dir (same config); fresh schedule")
     p.add_argument("--log-every", type=int, default=d.log_every)
     p.add_argument("--max-gen-seconds", type=float, default=None, help="stop response generation after this")
     p.add_argument("--max-train-seconds", type=float, default=None,
@@ -559,7 +585,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         grad_clip=a.grad_clip, seed=a.seed, max_seq_len=a.max_seq_len, num_prompts=a.num_prompts,
         max_prompt_tokens=a.max_prompt_tokens, max_new_tokens=a.max_new_tokens, gen_batch_size=a.gen_batch_size,
         gen_temperature=a.gen_temperature, checkpoint_every=a.checkpoint_every, log_every=a.log_every,
-        max_gen_seconds=a.max_gen_seconds, max_train_seconds=a.max_train_seconds,
+        max_gen_seconds=a.max_gen_seconds, max_train_seconds=a.max_train_seconds, init_from=a.init_from,
     )
     target, tok = load_target(a.target, a.device)
     out = train(target, tok, a.prompts, a.out, args, cache_path=a.cache, log_path=a.log_json)

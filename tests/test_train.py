@@ -132,6 +132,37 @@ def test_training_is_deterministic(tiny_run, tmp_path):
     assert logs[0] == logs[1]
 
 
+def test_final_norm_starts_from_target(tiny_run, tmp_path):
+    target, out, args = tiny_run
+    saved = target.base_model.norm.weight.detach().clone()
+    with torch.no_grad():
+        target.base_model.norm.weight.copy_(torch.linspace(0.5, 2.0, target.config.hidden_size))
+    try:
+        train(target, CharTokenizer(), PROMPTS, tmp_path / "d", TrainArgs(**{**args.__dict__, "steps": 1, "lr": 0.0}),
+              cache_path=out / "responses.jsonl", progress=False)
+        norm = load_draft(tmp_path / "d", dtype=torch.float32).norm.weight
+        assert torch.equal(norm, target.base_model.norm.weight.to(torch.bfloat16).float())
+    finally:
+        with torch.no_grad():
+            target.base_model.norm.weight.copy_(saved)
+
+
+def test_init_from_continues_and_refuses_other_config(tiny_run, tmp_path):
+    target, out, args = tiny_run
+    log = json.loads((out / "train_log.json").read_text())["history"]
+    cont = TrainArgs(**{**args.__dict__, "steps": 3, "init_from": str(out)})
+    d = tmp_path / "cont"
+    train(target, CharTokenizer(), PROMPTS, d, cont, cache_path=out / "responses.jsonl", progress=False)
+    first = json.loads((d / "train_log.json").read_text())["history"][0]["loss"]
+    start = log[0]["loss"]
+    end = sum(h["loss"] for h in log[-5:]) / 5
+    assert abs(first - end) < 0.5 * abs(start - end), (start, end, first)  # starts where the saved run ended
+    other = TrainArgs(**{**args.__dict__, "steps": 1, "init_from": str(out), "num_draft_layers": 1})
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        train(target, CharTokenizer(), PROMPTS, tmp_path / "bad", other, cache_path=out / "responses.jsonl",
+              progress=False)
+
+
 @pytest.mark.real_model
 def test_training_prompts_exclude_eval_sets():
     train_texts = data.training_prompts()
