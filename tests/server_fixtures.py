@@ -1,22 +1,25 @@
 """SmolLM2 servers for the DFLASH end-to-end tests: a no-spec reference and a DFLASH server.
 
-The drafter is the bundled one (``sglang_dflash.assets.bundled_drafter_path()``) when it is committed,
-otherwise a random 1-layer drafter written by :func:`make_random_drafter`; :func:`drafter_for_tests`
-says which. Both servers run float32 on CPU with the harness defaults plus ``--enable-cache-report``
-(SGLang fills the OpenAI ``usage.prompt_tokens_details.cached_tokens`` only with that flag).
+The drafter is ``$SGLANG_DFLASH_TEST_DRAFTER`` when set (a trained DFlash drafter directory for SmolLM2),
+else the bundled one (``sglang_dflash.assets.bundled_drafter_path()``) when it is committed, otherwise a
+random 1-layer drafter written by :func:`make_random_drafter`; :func:`drafter_for_tests` says which. Both
+servers ask for float32 with the harness defaults plus ``--enable-cache-report`` (SGLang fills the OpenAI
+``usage.prompt_tokens_details.cached_tokens`` only with that flag); on CPU they run float32, in the harness's
+GPU mode (``SGLANG_DFLASH_TEST_DEVICE=cuda``) bfloat16 (``harness.server.server_dtype``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from harness.server import Server, free_port, launch_server
+from harness.server import STARTUP_TIMEOUT, Server, free_port, launch_server
 
-# Flags of every server in these tests (on top of the harness CPU defaults).
+# Flags of every server in these tests (on top of the harness defaults of the device mode).
 COMMON_ARGS = ("--dtype", "float32", "--enable-cache-report")
 # One intra-op thread per server: several servers share 2 cores in these tests, and OpenMP threads
 # spin-waiting on descheduled peers made each decode step ~20x slower than with one thread.
@@ -24,8 +27,21 @@ SERVER_ENV = {"OMP_NUM_THREADS": "1"}
 RANDOM_DRAFTER_BLOCK_SIZE = 8
 
 
+# A trained drafter directory to serve instead of the bundled one (any device mode).
+DRAFTER_ENV_VAR = "SGLANG_DFLASH_TEST_DRAFTER"
+
+
 def bundled_drafter() -> Path | None:
-    """The committed SmolLM2 drafter, or None while it is not in the tree."""
+    """The trained SmolLM2 drafter: ``$SGLANG_DFLASH_TEST_DRAFTER`` when set (it must hold a config.json),
+    else the committed one, or None while that is not in the tree."""
+    override = os.environ.get(DRAFTER_ENV_VAR)
+    if override:
+        path = Path(override)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{DRAFTER_ENV_VAR}={override!r} has no config.json; point it at a DFlash "
+                                    "drafter directory or unset it to use the bundled drafter")
+        return path
+
     from sglang_dflash.assets import bundled_drafter_path
 
     try:
@@ -61,7 +77,8 @@ def make_random_drafter(out_dir: str | Path, target_dir: str | Path, block_size:
 
 
 def drafter_for_tests(tmp_dir: str | Path, target_dir: str | Path) -> tuple[Path, bool]:
-    """(drafter directory, is_bundled): the bundled drafter, else a random one written under ``tmp_dir``."""
+    """(drafter directory, is_bundled): the trained drafter (:func:`bundled_drafter`), else a random one written
+    under ``tmp_dir``."""
     path = bundled_drafter()
     if path is not None:
         return path, True
@@ -83,9 +100,11 @@ def dflash_args(draft_dir: str | Path, *extra: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def launch_servers(specs: Mapping[str, tuple], timeout: float = 600.0,
+def launch_servers(specs: Mapping[str, tuple], timeout: float = max(600.0, STARTUP_TIMEOUT),
                    log_dir: str | Path | None = None) -> Iterator[dict[str, Server]]:
     """Start one server per ``name: (model_path, extra_args[, env])`` concurrently; yield ``{name: Server}``.
+
+    ``timeout`` defaults to 600 s, never below the harness's ``STARTUP_TIMEOUT`` (GPU mode: 420 s).
 
     Each gets its own ``--nccl-port`` (:func:`nccl_port_args`). Every server is killed on exit,
     including the others when one fails to start.

@@ -1,9 +1,17 @@
-"""The CPU server harness: a real ``sglang.launch_server`` (no speculation) on a tiny random Llama
-must reproduce transformers' greedy tokens exactly, alone and under concurrent load."""
+"""The server harness: a real ``sglang.launch_server`` (no speculation) on a tiny random Llama must
+reproduce transformers' greedy tokens exactly, alone and under concurrent load.
+
+Runs in the harness's device mode (``SGLANG_DFLASH_TEST_DEVICE``, see ``harness/server.py``). In GPU mode the
+server serves bfloat16 with flashinfer and the transformers reference runs in bfloat16 on the GPU too; the
+tiny model's head_dim is 64 there (flashinfer's attention kernels are built for head_dim 64/128/256, not 16).
+The argv/env tests at the end build both modes' server commands without starting anything.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,7 +21,18 @@ import pytest
 import torch
 
 from harness.models import make_tiny_llama
-from harness.server import ServerStartupError, expect_startup_failure, launch_server, server_env
+from harness.server import (
+    CPU_SERVER_ENV,
+    DEVICE,
+    SITECUSTOMIZE_DIR,
+    ServerStartupError,
+    device_from_env,
+    expect_startup_failure,
+    launch_server,
+    server_command,
+    server_dtype,
+    server_env,
+)
 
 pytestmark = pytest.mark.server
 
@@ -24,20 +43,26 @@ PROMPTS = [
     "1, 2, 3, 4, 5,",
 ]
 MAX_NEW_TOKENS = 12
+# Tiny-Llama shape per device mode (make_tiny_llama keyword overrides).
+TINY_SHAPE = {"cpu": {}, "cuda": {"hidden_size": 256, "head_dim": 64, "intermediate_size": 512}}
+cpu_only = pytest.mark.skipif(DEVICE != "cpu", reason="checks the CPU-only sitecustomize hook, which GPU mode "
+                                                      "does not load")
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     from sglang_dflash.assets import smollm2_path
 
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), smollm2_path(), seed=0)
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), smollm2_path(), seed=0, **TINY_SHAPE[DEVICE])
 
 
 @pytest.fixture(scope="module")
 def hf_model(tiny_dir):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    # The server's dtype and device (float32 on CPU; bfloat16 on the GPU in GPU mode).
+    dtype = getattr(torch, server_dtype("float32"))
+    return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=dtype).to(DEVICE).eval()
 
 
 @pytest.fixture(scope="module")
@@ -60,26 +85,28 @@ def server(tiny_dir):
 @torch.no_grad()
 def hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
     """n greedy tokens of ``model`` after ``ids`` (no EOS stop) and their log-probs."""
-    seq = torch.tensor([ids])
+    seq = torch.tensor([ids], device=model.device)
     out, logprobs = [], []
     for _ in range(n):
         logits = model(seq).logits[0, -1].float()
         tok = int(logits.argmax())
         out.append(tok)
         logprobs.append(float(torch.log_softmax(logits, -1)[tok]))
-        seq = torch.cat([seq, torch.tensor([[tok]])], dim=1)
+        seq = torch.cat([seq, torch.tensor([[tok]], device=model.device)], dim=1)
     return out, logprobs
 
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True}
 
 
-def test_server_runs_cpu_torch_native(server):
+def test_server_runs_harness_device_and_backend(server):
     info = server.get_server_info()
-    assert info["device"] == "cpu"
-    assert info["attention_backend"] == "torch_native"
-    assert info["dtype"] == "float32"
+    assert info["device"] == DEVICE
+    assert info["attention_backend"] == {"cpu": "torch_native", "cuda": "flashinfer"}[DEVICE]
+    assert info["dtype"] == server_dtype("float32")
     assert info["speculative_algorithm"] is None
+    if DEVICE == "cuda":  # decode runs as CUDA graphs (SGLang 0.5.17 logs each capture)
+        assert re.search(r"Capture target decode CUDA graph end\.", server.log_text()), "no decode CUDA graph captured"
 
 
 def test_greedy_matches_transformers(server, hf_model, prompt_ids):
@@ -128,10 +155,11 @@ def test_broken_model_fails_fast(tiny_dir, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(tiny_dir, broken)
     cfg = json.loads((broken / "config.json").read_text())
-    cfg["hidden_size"] = 96  # weights are [.., 64]
+    hidden = cfg["hidden_size"]  # weights are [.., hidden] (64 on CPU, 256 in GPU mode)
+    cfg["hidden_size"] = hidden + 32
     (broken / "config.json").write_text(json.dumps(cfg))
     log = expect_startup_failure(broken, ["--dtype", "float32"])
-    assert "The size of tensor a (96) must match the size of tensor b (64)" in log
+    assert f"The size of tensor a ({hidden + 32}) must match the size of tensor b ({hidden})" in log
 
 
 def test_launch_server_raises_with_log_tail(tmp_path):
@@ -141,6 +169,7 @@ def test_launch_server_raises_with_log_tail(tmp_path):
     assert "no-such-model" in str(err.value)
 
 
+@cpu_only
 def test_sitecustomize_cpu_ops():
     """The sgl_kernel CPU ops the harness registers match SGLang's Triton semantics."""
     code = r"""
@@ -168,3 +197,67 @@ print("ok")
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]
     assert "Error in sitecustomize" not in res.stderr, res.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------------------------- argv / env (no server)
+
+PY = sys.executable
+PREFIX = [PY, "-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1", "--port", "1234"]
+
+
+def test_device_switch_values():
+    assert device_from_env({}) == "cpu"
+    assert device_from_env({"SGLANG_DFLASH_TEST_DEVICE": ""}) == "cpu"
+    assert device_from_env({"SGLANG_DFLASH_TEST_DEVICE": "cpu"}) == "cpu"
+    assert device_from_env({"SGLANG_DFLASH_TEST_DEVICE": "cuda"}) == "cuda"
+    for bad in ("gpu", "CUDA", "cuda:0"):
+        with pytest.raises(ValueError, match="SGLANG_DFLASH_TEST_DEVICE=.* is not a test device"):
+            device_from_env({"SGLANG_DFLASH_TEST_DEVICE": bad})
+    with pytest.raises(ValueError, match="not a test device"):
+        server_command("/m", 1234, device="gpu")
+
+
+def test_cpu_server_command_and_env():
+    assert server_command("/m", 1234, ["--dtype", "float32", "--decode-log-interval", "1"], device="cpu") == [
+        *PREFIX, "--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "8192",
+        "--sleep-on-idle", "--dtype", "float32", "--decode-log-interval", "1"]
+    # extra args override a default (dropped from the defaults, kept where the test put them)
+    assert server_command("/m", 1234, ["--max-total-tokens=4096", "--dtype=float32"], device="cpu") == [
+        *PREFIX, "--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle",
+        "--max-total-tokens=4096", "--dtype=float32"]
+    env = server_env({"OMP_NUM_THREADS": "1"}, device="cpu")
+    assert env["PYTHONPATH"].split(os.pathsep) == [
+        str(SITECUSTOMIZE_DIR), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    assert {k: env[k] for k in CPU_SERVER_ENV} == CPU_SERVER_ENV == {
+        "SGLANG_USE_CPU_ENGINE": "1", "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0",
+        "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    assert env["OMP_NUM_THREADS"] == "1"
+    assert server_dtype("float32", device="cpu") == "float32"
+
+
+def test_cuda_server_command_and_env(monkeypatch):
+    cmd = server_command("/m", 1234, ["--dtype", "float32", "--decode-log-interval", "1"], device="cuda")
+    assert cmd == [
+        *PREFIX, "--device", "cuda", "--attention-backend", "flashinfer", "--mem-fraction-static", "0.12",
+        "--max-total-tokens", "16384", "--cuda-graph-max-bs", "32", "--disable-prefill-cuda-graph",
+        "--sleep-on-idle", "--dtype", "bfloat16", "--decode-log-interval", "1"]
+    # CUDA graphs for decode / verify stay on: nothing disables them
+    assert not {"--disable-cuda-graph", "--disable-decode-cuda-graph", "--cuda-graph-backend-decode"} & set(cmd)
+    assert server_command("/m", 1234, ["--dtype=float32"], device="cuda")[-1] == "--dtype=bfloat16"
+    assert server_command("/m", 1234, ["--dtype", "float16"], device="cuda")[-2:] == ["--dtype", "float16"]
+    assert server_dtype("float32", device="cuda") == "bfloat16"
+    assert server_dtype("bfloat16", device="cuda") == "bfloat16"
+    # a test's own value still wins over a GPU default
+    over = server_command("/m", 1234, ["--mem-fraction-static", "0.3"], device="cuda")
+    assert over.count("--mem-fraction-static") == 1 and over[-2:] == ["--mem-fraction-static", "0.3"]
+
+    # no sitecustomize (not even an inherited one) and no CPU engine switch (not even an inherited one)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(SITECUSTOMIZE_DIR), "/opt/sglang", "/opt/site"]))
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    env = server_env({"OMP_NUM_THREADS": "1"}, device="cuda")
+    assert env["PYTHONPATH"].split(os.pathsep) == ["/opt/sglang", "/opt/site"]
+    assert "SGLANG_USE_CPU_ENGINE" not in env
+    assert env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "0" and env["HF_HUB_OFFLINE"] == "1"
+    assert env["OMP_NUM_THREADS"] == "1"
+    monkeypatch.delenv("PYTHONPATH")
+    assert "PYTHONPATH" not in server_env(device="cuda")

@@ -1,11 +1,27 @@
-"""Run real ``python -m sglang.launch_server`` processes on CPU for tests.
+"""Run real ``python -m sglang.launch_server`` processes for tests, on CPU (default) or on a CUDA GPU.
 
-The server runs stock SGLang with ``SGLANG_USE_CPU_ENGINE=1 --device cpu`` and the
-``torch_native`` attention backend. ``sitecustomize/`` is put first on the server's
-PYTHONPATH so ``sgl_kernel`` imports without a GPU driver and the few ``sgl_kernel`` CPU ops
-that speculative decoding reaches exist (see its docstring). With ``--speculative-algorithm``
-on CPU the overlap scheduler is CUDA-only (``FutureMap`` calls ``Tensor.record_stream``):
-pass ``--disable-overlap-schedule`` unless the algorithm turns it off itself.
+CPU mode (``SGLANG_DFLASH_TEST_DEVICE`` unset or ``cpu``; what CI runs): the server runs stock SGLang with
+``SGLANG_USE_CPU_ENGINE=1 --device cpu`` and the ``torch_native`` attention backend. ``sitecustomize/`` is put
+first on the server's PYTHONPATH so ``sgl_kernel`` imports without a GPU driver and the few ``sgl_kernel`` CPU
+ops that speculative decoding reaches exist (see its docstring). With ``--speculative-algorithm`` on CPU the
+overlap scheduler is CUDA-only (``FutureMap`` calls ``Tensor.record_stream``): pass
+``--disable-overlap-schedule`` unless the algorithm turns it off itself.
+
+GPU mode (``SGLANG_DFLASH_TEST_DEVICE=cuda``): the server gets ``CUDA_SERVER_ARGS`` (``--device cuda``,
+``flashinfer`` attention, CUDA graphs for decode/verify ON, prefill CUDA graph off, a small KV pool so the
+suite's servers share one GPU), no ``sitecustomize`` and no ``SGLANG_USE_CPU_ENGINE``. flashinfer runs only
+fp16/bf16, so a test's ``--dtype float32`` is served as ``bfloat16`` (:func:`server_dtype`, the one place
+that maps it): the exact-identity comparisons (DFLASH vs no-spec, server vs transformers) then run in bf16,
+where they may legitimately differ; they are not relaxed. Servers get ``STARTUP_TIMEOUT`` (420 s) to start
+(first start captures CUDA graphs and JIT-compiles kernels). Nothing here needs the repo's ``.venv`` or the
+network; sglang and sglang-dflash (with its ``sglang.srt.plugins`` entry point, i.e. installed, e.g. a wheel
+on PYTHONPATH) must be importable from the test process's PYTHONPATH, which the servers inherit. Run from
+the repository root::
+
+    SGLANG_DFLASH_TEST_DEVICE=cuda python3 -m pytest -q -ra tests/test_server_dflash.py tests/test_harness.py
+
+(no ``-x``: in bf16 a mismatch is an outcome to record, and ``-x`` would stop the run at the first one).
+``SGLANG_DFLASH_TEST_DRAFTER=<dir>`` serves another drafter than the bundled one (``server_fixtures.py``).
 
     with launch_server(model_dir, ["--dtype", "float32"]) as server:
         out = server.generate([1, 2, 3], {"max_new_tokens": 8, "temperature": 0})
@@ -30,6 +46,21 @@ import requests
 
 SITECUSTOMIZE_DIR = Path(__file__).resolve().parent / "sitecustomize"
 
+DEVICE_ENV_VAR = "SGLANG_DFLASH_TEST_DEVICE"
+DEVICES = ("cpu", "cuda")
+
+
+def device_from_env(environ: Mapping[str, str] = os.environ) -> str:
+    """``$SGLANG_DFLASH_TEST_DEVICE``: ``cpu`` (default, also when empty) or ``cuda``; anything else raises."""
+    value = environ.get(DEVICE_ENV_VAR, "") or "cpu"
+    if value not in DEVICES:
+        raise ValueError(f"{DEVICE_ENV_VAR}={value!r} is not a test device; use 'cpu' (default) or 'cuda'")
+    return value
+
+
+# The device every server of this test run uses (the one switch; see the module docstring).
+DEVICE = device_from_env()
+
 # Flags every CPU server gets unless ``extra_args`` names the same option.
 #   --attention-backend torch_native: the x86 default ("intel_amx") needs sgl_kernel's CPU
 #       build; torch_native is plain SDPA. It also turns CUDA graphs off.
@@ -43,15 +74,44 @@ CPU_SERVER_ARGS: dict[str, str | None] = {
     "--sleep-on-idle": None,
 }
 
-# SGLANG_USE_CPU_ENGINE selects the CPU platform. The two crash-dump switches stop the server
-# from sleeping 5 s + 60 s (py-spy / CUDA core dump) after a scheduler crash before it exits.
-CPU_SERVER_ENV: dict[str, str] = {
-    "SGLANG_USE_CPU_ENGINE": "1",
+# Flags every GPU server gets unless ``extra_args`` names the same option.
+#   --attention-backend flashinfer: what the benchmarks serve with; fp16/bf16 only (see server_dtype).
+#   CUDA graphs stay ON for decode and DFLASH verify (no --disable-cuda-graph), up to batch 32;
+#       --disable-prefill-cuda-graph: prefill runs eagerly (as in benchmarks/bench_dflash.py).
+#   --mem-fraction-static 0.12 + --max-total-tokens: several servers of the suite run on one GPU at once.
+#       SGLang 0.5.17 leaves (1 - 0.12) of the memory free at the process's start to others, and the
+#       token cap keeps each KV pool small (SmolLM2-135M: 16384 tokens ~ 0.4 GB).
+#   --sleep-on-idle: as on CPU.
+CUDA_SERVER_ARGS: dict[str, str | None] = {
+    "--device": "cuda",
+    "--attention-backend": "flashinfer",
+    "--mem-fraction-static": "0.12",
+    "--max-total-tokens": "16384",
+    "--cuda-graph-max-bs": "32",
+    "--disable-prefill-cuda-graph": None,
+    "--sleep-on-idle": None,
+}
+
+SERVER_ARGS: dict[str, dict[str, str | None]] = {"cpu": CPU_SERVER_ARGS, "cuda": CUDA_SERVER_ARGS}
+
+# The two crash-dump switches stop the server from sleeping 5 s + 60 s (py-spy / CUDA core dump) after a
+# scheduler crash before it exits.
+_COMMON_SERVER_ENV: dict[str, str] = {
     "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0",
     "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0",
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
+# SGLANG_USE_CPU_ENGINE selects the CPU platform.
+CPU_SERVER_ENV: dict[str, str] = {"SGLANG_USE_CPU_ENGINE": "1", **_COMMON_SERVER_ENV}
+CUDA_SERVER_ENV: dict[str, str] = dict(_COMMON_SERVER_ENV)
+
+# --dtype values a GPU server serves differently: flashinfer has no float32 kernels.
+CUDA_DTYPES: dict[str, str] = {"float32": "bfloat16", "float": "bfloat16"}
+
+# Seconds a server gets to answer /health_generate (GPU: CUDA graph capture + JIT on first start).
+STARTUP_TIMEOUTS: dict[str, float] = {"cpu": 300.0, "cuda": 420.0}
+STARTUP_TIMEOUT = STARTUP_TIMEOUTS[DEVICE]
 
 LOG_TAIL_CHARS = 6000
 
@@ -87,26 +147,77 @@ def _option_names(args: Sequence[str]) -> set[str]:
     return {a.split("=", 1)[0] for a in args if a.startswith("--")}
 
 
-def server_command(model_path: str | os.PathLike, port: int, extra_args: Sequence[str] = ()) -> list[str]:
-    """argv of the server: ``CPU_SERVER_ARGS`` minus any option ``extra_args`` repeats, then ``extra_args``."""
-    extra_args = [str(a) for a in extra_args]
+def _device(device: str | None) -> str:
+    if device is None:
+        return DEVICE
+    if device not in DEVICES:
+        raise ValueError(f"device {device!r} is not a test device; use one of {DEVICES}")
+    return device
+
+
+def server_dtype(dtype: str, device: str | None = None) -> str:
+    """The ``--dtype`` a server on ``device`` (default ``DEVICE``) runs when a test asks for ``dtype``.
+
+    The only place a test's dtype is changed: on ``cuda`` float32 becomes bfloat16 (flashinfer is fp16/bf16
+    only); on ``cpu`` every dtype is kept.
+    """
+    return CUDA_DTYPES.get(dtype, dtype) if _device(device) == "cuda" else dtype
+
+
+def _map_dtype(args: list[str], device: str) -> list[str]:
+    out, i = [], 0
+    while i < len(args):
+        a = args[i]
+        if a == "--dtype" and i + 1 < len(args):
+            out += [a, server_dtype(args[i + 1], device)]
+            i += 2
+            continue
+        if a.startswith("--dtype="):
+            a = "--dtype=" + server_dtype(a.split("=", 1)[1], device)
+        out.append(a)
+        i += 1
+    return out
+
+
+def server_command(model_path: str | os.PathLike, port: int, extra_args: Sequence[str] = (),
+                   device: str | None = None) -> list[str]:
+    """argv of a server on ``device`` (default ``DEVICE``): that device's ``SERVER_ARGS`` minus any option
+    ``extra_args`` repeats, then ``extra_args`` (its ``--dtype`` through :func:`server_dtype`)."""
+    device = _device(device)
+    extra_args = _map_dtype([str(a) for a in extra_args], device)
     overridden = _option_names(extra_args)
     for reserved in ("--model-path", "--port", "--host"):
         if reserved in overridden:
             raise ValueError(f"{reserved} is set by launch_server; pass model_path instead of {reserved}")
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
            "--host", "127.0.0.1", "--port", str(port)]
-    for name, value in CPU_SERVER_ARGS.items():
+    for name, value in SERVER_ARGS[device].items():
         if name not in overridden:
             cmd += [name] if value is None else [name, value]
     return cmd + extra_args
 
 
-def server_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """os.environ + ``CPU_SERVER_ENV`` + ``env``, with ``SITECUSTOMIZE_DIR`` first on PYTHONPATH."""
-    out = {**os.environ, **CPU_SERVER_ENV, **(env or {})}
-    paths = [str(SITECUSTOMIZE_DIR)] + [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p]
-    out["PYTHONPATH"] = os.pathsep.join(paths)
+def server_env(env: Mapping[str, str] | None = None, device: str | None = None) -> dict[str, str]:
+    """Environment of a server on ``device`` (default ``DEVICE``).
+
+    cpu: os.environ + ``CPU_SERVER_ENV`` + ``env``, with ``SITECUSTOMIZE_DIR`` first on PYTHONPATH.
+    cuda: os.environ + ``CUDA_SERVER_ENV`` + ``env``, without ``SITECUSTOMIZE_DIR`` on PYTHONPATH and without an
+    inherited ``SGLANG_USE_CPU_ENGINE`` (either would turn the server into a CPU one).
+    """
+    device = _device(device)
+    base = CPU_SERVER_ENV if device == "cpu" else CUDA_SERVER_ENV
+    out = {**os.environ, **base, **(env or {})}
+    paths = [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if device == "cpu":
+        paths = [str(SITECUSTOMIZE_DIR)] + paths
+    else:
+        paths = [p for p in paths if Path(p).resolve() != SITECUSTOMIZE_DIR]
+        if "SGLANG_USE_CPU_ENGINE" not in (env or {}):
+            out.pop("SGLANG_USE_CPU_ENGINE", None)
+    if paths:
+        out["PYTHONPATH"] = os.pathsep.join(paths)
+    else:
+        out.pop("PYTHONPATH", None)
     return out
 
 
@@ -209,14 +320,15 @@ def launch_server(
     model_path: str | os.PathLike,
     extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
-    timeout: float = 300.0,
+    timeout: float | None = None,
     log_path: str | os.PathLike | None = None,
 ) -> Iterator[Server]:
-    """Start a CPU server on a free port, yield a ``Server`` once healthy, always kill its process group.
+    """Start a server on ``DEVICE`` on a free port, yield a ``Server`` once healthy, always kill its process group.
 
-    Raises ``ServerStartupError`` (with the log tail) if the process exits or ``timeout`` s pass
-    before ``/health_generate`` answers 200.
+    Raises ``ServerStartupError`` (with the log tail) if the process exits or ``timeout`` s (default
+    ``STARTUP_TIMEOUT``) pass before ``/health_generate`` answers 200.
     """
+    timeout = STARTUP_TIMEOUT if timeout is None else timeout
     proc, base_url, log_path = _start(model_path, extra_args, env, log_path)
     try:
         started = time.monotonic()
@@ -233,13 +345,15 @@ def expect_startup_failure(
     model_path: str | os.PathLike,
     extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
-    timeout: float = 300.0,
+    timeout: float | None = None,
     log_path: str | os.PathLike | None = None,
 ) -> str:
     """Start a server that must fail; return its full log once it exits non-zero before becoming healthy.
 
-    Raises AssertionError if it becomes healthy, exits 0, or is still running after ``timeout`` s.
+    Raises AssertionError if it becomes healthy, exits 0, or is still running after ``timeout`` s (default
+    ``STARTUP_TIMEOUT``).
     """
+    timeout = STARTUP_TIMEOUT if timeout is None else timeout
     proc, base_url, log_path = _start(model_path, extra_args, env, log_path)
     try:
         if _wait_healthy(proc, base_url, time.monotonic() + timeout):
