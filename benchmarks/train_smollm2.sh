@@ -33,12 +33,15 @@ $PY -m sglang_dflash.train --target smollm2 --prompts "$PROMPTS/train.jsonl" \
   --lr "${LR:-1e-3}" --warmup-steps 40 --grad-clip 1.0 --seed 0 \
   --num-prompts "${NUM_PROMPTS:-100000}" --max-prompt-tokens 384 --max-new-tokens "${MAX_NEW:-320}" \
   --gen-batch-size "${GEN_BATCH:-768}" --gen-temperature 0 --max-seq-len 1024 \
-  --max-gen-seconds "${GEN_SECONDS:-120}" --max-train-seconds "${TRAIN_SECONDS:-230}" --log-every 25
+  --max-gen-seconds "${GEN_SECONDS:-120}" --max-train-seconds "${TRAIN_SECONDS:-230}" --log-every 25 \
+  --checkpoint-every "${CKPT_EVERY:-0}" ${INIT_FROM:+--init-from "$INIT_FROM"}
 rm -rf "$OUT/drafter" && mkdir -p "$OUT/drafter"
 cp "$WORK"/drafter/*.json "$WORK"/drafter/*.safetensors "$OUT/drafter/"
 rm -f "$OUT/drafter/train_log.json"
 
 # tau on held-out sets; config-major order and incremental JSON, so a capped run keeps what finished
+# (EVAL_SECONDS=0 skips it, e.g. to evaluate elsewhere with the same sglang_dflash.eval command)
+[ "${EVAL_SECONDS:-150}" = 0 ] && exit 0
 timeout "${EVAL_SECONDS:-150}" $PY -m sglang_dflash.eval --target smollm2 --draft "$WORK/drafter" \
   --prompts-dir "$PROMPTS" --datasets mtbench,humaneval,gsm8k --block-sizes 16,8 --temperatures 0,1 \
   --num-prompts "${EVAL_PROMPTS:-40}" --max-new-tokens "${EVAL_NEW:-256}" --batch-size 64 \
