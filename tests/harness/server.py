@@ -299,6 +299,10 @@ def _start(model_path, extra_args, env, log_path) -> tuple[subprocess.Popen, str
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            # not the checkout: ``python -m`` puts the cwd first on sys.path, and the source tree's
+            # ``sglang_dflash`` (without ``sglang_dflash.kernels``, which lives in kernels/) would shadow the
+            # installed package that a user's server imports
+            cwd=log_path.parent,
         )
     return proc, f"http://127.0.0.1:{port}", log_path
 
