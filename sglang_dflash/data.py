@@ -118,6 +118,18 @@ def first_user_turn(record: dict | str) -> Optional[str]:
     )
 
 
+def user_turns(record: dict | str) -> list[str]:
+    """Every user message of a ShareGPT / OpenAI conversation record (``[first_user_turn]`` for other records)."""
+    if isinstance(record, dict):
+        for key in ("conversations", "messages"):
+            if key in record:
+                return [t.get("value", t.get("content")) for t in record[key]
+                        if t.get("from", t.get("role")) in ("human", "user")
+                        and isinstance(t.get("value", t.get("content")), str)]
+    text = first_user_turn(record)
+    return [text] if text else []
+
+
 def apply_chat(texts: list[str], tokenizer=None) -> list[str]:
     """Render user texts with ``tokenizer``'s chat template (generation prompt appended); identity without one."""
     if tokenizer is None:
@@ -182,13 +194,14 @@ def _is_excluded(text: str, keys: set[str], prefixes: set[str], prefix_len: int)
     return norm in keys or (len(norm) >= prefix_len and norm[:prefix_len] in prefixes)
 
 
-def load_prompt_file(path: str | os.PathLike) -> list[str]:
-    """Raw first-user-turn prompts of a ShareGPT-style JSON/JSONL file or a plain JSONL of prompts."""
+def load_prompt_file(path: str | os.PathLike, all_turns: bool = False) -> list[str]:
+    """Raw prompts of a ShareGPT-style JSON/JSONL file or a plain JSONL of prompts: the first user turn of each
+    record, or with ``all_turns`` every user turn (each as a standalone prompt)."""
     texts = []
     for record in iter_json_records(path):
-        text = first_user_turn(record)
-        if text and text.strip():
-            texts.append(text)
+        for text in (user_turns(record) if all_turns else [first_user_turn(record)]):
+            if text and text.strip():
+                texts.append(text)
     return texts
 
 
@@ -199,8 +212,12 @@ def training_prompts(
     seed: int = 0,
     min_chars: int = 16,
     max_chars: int = 2000,
+    all_turns: bool = True,
 ) -> list[str]:
     """Deduplicated training prompts (``"sharegpt"`` or a prompt file), shuffled with ``seed``, eval sets excluded.
+
+    ``all_turns``: every user turn of a conversation is a prompt of its own (ShareGPT has ~3.5 user turns per
+    conversation; first turns alone give too few distinct responses and the drafter overfits them).
 
     A prompt is dropped when its normalised text equals an MT-Bench / HumanEval / GSM8K prompt or shares its
     first 64 normalised characters with one; duplicates (by normalised text) are kept once.
@@ -211,7 +228,7 @@ def training_prompts(
     prefixes = {k[:prefix_len] for k in keys if len(k) >= prefix_len}
     seen: set[str] = set()
     texts = []
-    for text in load_prompt_file(path):
+    for text in load_prompt_file(path, all_turns=all_turns):
         text = text.strip()
         if not min_chars <= len(text) <= max_chars or _is_excluded(text, keys, prefixes, prefix_len):
             continue

@@ -163,11 +163,25 @@ def test_init_from_continues_and_refuses_other_config(tiny_run, tmp_path):
               progress=False)
 
 
+def test_user_turns_and_prompt_file(tmp_path):
+    conv = {"conversations": [{"from": "human", "value": "first"}, {"from": "gpt", "value": "answer"},
+                              {"from": "human", "value": "second"}, {"from": "gpt", "value": "more"}]}
+    oa = {"messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]}
+    assert data.user_turns(conv) == ["first", "second"]
+    assert data.user_turns(oa) == ["hi"]
+    assert data.user_turns({"prompt": "p"}) == ["p"] and data.user_turns("raw") == ["raw"]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps([conv, {"conversations": [{"from": "gpt", "value": "x"}]}, oa])[:-40])  # truncated
+    assert data.load_prompt_file(path) == ["first"]
+    assert data.load_prompt_file(path, all_turns=True) == ["first", "second"]
+
+
 @pytest.mark.real_model
 def test_training_prompts_exclude_eval_sets():
     train_texts = data.training_prompts()
     keys = data.eval_exclusion_keys()
-    assert len(train_texts) > 5000
+    assert len(train_texts) > 40000  # every user turn
+    assert 5000 < len(data.training_prompts(all_turns=False)) < len(train_texts)
     assert not any(data.normalize(t) in keys for t in train_texts)
     assert len({data.normalize(t) for t in train_texts}) == len(train_texts)
     assert len(data.mtbench_prompts()) == 80 and len(data.humaneval_prompts()) == 164
