@@ -242,12 +242,12 @@ def training_prompts(
 
 
 def export_prompts(out_dir: str | os.PathLike, num_train: Optional[int] = None, num_eval: Optional[int] = None,
-                   seed: int = 0) -> list[Path]:
+                   seed: int = 0, all_turns: bool = True) -> list[Path]:
     """Write raw prompts as JSONL (``{"prompt": text}``): ``train.jsonl`` (ShareGPT, eval sets excluded) and one
     file per eval set, for machines without the dataset packages (``--prompts`` / ``--prompts-dir``)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    sets = {"train": training_prompts(num_prompts=num_train, seed=seed)}
+    sets = {"train": training_prompts(num_prompts=num_train, seed=seed, all_turns=all_turns)}
     sets.update({name: eval_prompts(name, num_eval) for name in EVAL_DATASETS})
     paths = []
     for name, texts in sets.items():
@@ -267,8 +267,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--num-train", type=int, default=None)
     p.add_argument("--num-eval", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--first-turns-only", action="store_true",
+                   help="train.jsonl from first user turns only (the bundled drafter's data) instead of every turn")
     a = p.parse_args(argv)
-    for path in export_prompts(a.out, a.num_train, a.num_eval, a.seed):
+    for path in export_prompts(a.out, a.num_train, a.num_eval, a.seed, all_turns=not a.first_turns_only):
         print(path)
 
 

@@ -410,8 +410,8 @@ def test_bundled_drafter_greedy_equals_target(bundled_run):
 
 
 @pytest.mark.real_model
-@pytest.mark.xfail(strict=True, reason="issue #4: the bundled drafter is under-trained (tau ~1.3 measured on "
-                   "held-out sets, see benchmarks/RESULTS.md); this asserts the required tau > 2")
+@pytest.mark.xfail(strict=True, reason="issue #4: the bundled drafter is under-trained (held-out tau ~1.6, "
+                   "see benchmarks/RESULTS.md); this asserts the required tau > 2")
 def test_bundled_drafter_accept_length(bundled_run):
     out, _ = bundled_run
     assert out.mean_accept_length > 2.0, f"mean accept length {out.mean_accept_length:.2f}"

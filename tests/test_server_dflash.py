@@ -260,8 +260,8 @@ def test_eos_inside_block(greedy_cases, greedy_results, tokenizer):
 # ----------------------------------------------------------------------------------------------- 4. accept length
 
 
-@pytest.mark.xfail(strict=True, reason="issue #4: the bundled drafter is under-trained (server accept length ~1.26, "
-                   "reference-engine tau 1.23-1.37, see benchmarks/RESULTS.md); this asserts the required > 2")
+@pytest.mark.xfail(strict=True, reason="issue #4: the bundled drafter is under-trained (server accept length ~1.6 "
+                   "on H200, reference-engine tau ~1.6, see benchmarks/RESULTS.md); this asserts the required > 2")
 def test_accept_length_with_trained_drafter(drafter, greedy_cases, greedy_results, dflash):
     """Mean accept length (SGLang's definition: completion_tokens / spec_verify_ct, aggregated over the
     held-out mtbench/humaneval/gsm8k prompts) must exceed 2 with the bundled drafter."""
