@@ -8,6 +8,8 @@
 # (exported on the fly from the installed dataset packages when omitted).
 # Steps: convert the GGUF target (sglang_dflash.assets), regenerate ShareGPT responses with SmolLM2 itself
 # (greedy, eval sets excluded), train the drafter, measure tau (block 16 and 8, temperature 0 and 1).
+# RESPONSE_SERVER=http://HOST:PORT regenerates the responses through a running SGLang server of the target
+# (python -m sglang.launch_server --model-path <converted SmolLM2>) instead of transformers' generate.
 # GEN_SECONDS / TRAIN_SECONDS / EVAL_SECONDS cap the phases (the run that produced the bundled drafter used the
 # defaults below on one H200; train_log.json records the step count they gave).
 set -euo pipefail
@@ -34,7 +36,8 @@ $PY -m sglang_dflash.train --target smollm2 --prompts "$PROMPTS/train.jsonl" \
   --num-prompts "${NUM_PROMPTS:-100000}" --max-prompt-tokens 384 --max-new-tokens "${MAX_NEW:-320}" \
   --gen-batch-size "${GEN_BATCH:-768}" --gen-temperature 0 --max-seq-len 1024 \
   --max-gen-seconds "${GEN_SECONDS:-120}" --max-train-seconds "${TRAIN_SECONDS:-230}" --log-every 25 \
-  --checkpoint-every "${CKPT_EVERY:-0}" ${INIT_FROM:+--init-from "$INIT_FROM"}
+  --checkpoint-every "${CKPT_EVERY:-0}" ${INIT_FROM:+--init-from "$INIT_FROM"} \
+  ${RESPONSE_SERVER:+--response-server "$RESPONSE_SERVER"}
 rm -rf "$OUT/drafter" && mkdir -p "$OUT/drafter"
 cp "$WORK"/drafter/*.json "$WORK"/drafter/*.safetensors "$OUT/drafter/"
 rm -f "$OUT/drafter/train_log.json"

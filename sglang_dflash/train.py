@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -116,6 +117,7 @@ def generate_responses(
     seed: int = 0,
     max_seconds: Optional[float] = None,
     progress: bool = True,
+    server_url: Optional[str] = None,
 ) -> list[dict]:
     """Regenerate responses with the target itself; resumable JSONL cache ``{key, prompt_ids, response_ids}``.
 
@@ -123,6 +125,9 @@ def generate_responses(
     Responses stop at the target's EOS (kept as the last token). Prompts are taken in order, in groups of
     ``4 * batch_size`` sorted by length (little padding). With ``max_seconds``, generation stops after the batch
     that crosses the budget (rerun to resume). Returns the cached records in prompt order.
+
+    ``server_url``: send each batch to a running SGLang server of the same target (``POST /generate`` with
+    ``input_ids``; much faster than ``target.generate``) instead of generating in-process.
     """
     from tqdm import tqdm
 
@@ -150,8 +155,13 @@ def generate_responses(
     todo = [kv for g in range(0, len(todo), group) for kv in sorted(todo[g:g + group], key=lambda kv: len(kv[1]))]
     eos = _eos_ids(target, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    device = next(target.parameters()).device
-    torch.manual_seed(seed)  # sampling draws from the global generator
+    if server_url:
+        generate = functools.partial(_generate_http, server_url.rstrip("/"), eos=eos, max_new_tokens=max_new_tokens,
+                                     temperature=temperature, seed=seed)
+    else:
+        generate = functools.partial(_generate_hf, target, pad_id=pad_id, eos=eos, max_new_tokens=max_new_tokens,
+                                     temperature=temperature)
+        torch.manual_seed(seed)  # sampling draws from the global generator
     bar = tqdm(total=len(todo), desc="generate", disable=not progress or not todo)
     t0 = time.time()
     with open(cache_path, "a", encoding="utf-8") as out:
@@ -159,20 +169,8 @@ def generate_responses(
             if max_seconds is not None and time.time() - t0 > max_seconds:
                 break
             chunk = todo[start:start + batch_size]
-            width = max(len(ids) for _, ids in chunk)
-            input_ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-            attn = torch.zeros((len(chunk), width), dtype=torch.long)
-            for row, (_, ids) in enumerate(chunk):  # left padding
-                input_ids[row, width - len(ids):] = torch.tensor(ids)
-                attn[row, width - len(ids):] = 1
-            kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=eos)
-            if temperature > 0:
-                kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
-            else:
-                kwargs.update(do_sample=False)
-            out_ids = target.generate(input_ids.to(device), attention_mask=attn.to(device), **kwargs)
-            for row, (key, ids) in enumerate(chunk):
-                resp = out_ids[row, width:].tolist()
+            responses = generate([ids for _, ids in chunk])
+            for (key, ids), resp in zip(chunk, responses):
                 for j, tok in enumerate(resp):
                     if tok in eos:
                         resp = resp[: j + 1]
@@ -184,6 +182,47 @@ def generate_responses(
             bar.update(len(chunk))
     bar.close()
     return [done[k] for k in keys if k in done]
+
+
+def _generate_hf(target, prompts: list[list[int]], *, pad_id: int, eos: list[int], max_new_tokens: int,
+                 temperature: float) -> list[list[int]]:
+    """One left-padded ``target.generate`` batch -> generated ids per prompt (may run past EOS: cut by caller)."""
+    width = max(len(ids) for ids in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, ids in enumerate(prompts):  # left padding
+        input_ids[row, width - len(ids):] = torch.tensor(ids)
+        attn[row, width - len(ids):] = 1
+    kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=eos)
+    if temperature > 0:
+        kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    else:
+        kwargs.update(do_sample=False)
+    device = next(target.parameters()).device
+    out_ids = target.generate(input_ids.to(device), attention_mask=attn.to(device), **kwargs)
+    return out_ids[:, width:].tolist()
+
+
+def _generate_http(url: str, prompts: list[list[int]], *, eos: list[int], max_new_tokens: int, temperature: float,
+                   seed: int) -> list[list[int]]:
+    """One batched ``POST {url}/generate`` to an SGLang server -> generated ids per prompt, EOS kept last."""
+    import requests
+
+    params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "stop_token_ids": eos,
+              "skip_special_tokens": False}
+    if temperature > 0:
+        params.update(top_k=-1, top_p=1.0, sampling_seed=seed)
+    r = requests.post(f"{url}/generate", json={"input_ids": prompts, "sampling_params": params}, timeout=3600)
+    if r.status_code != 200:
+        raise RuntimeError(f"response server {url} answered {r.status_code}: {r.text[:500]}")
+    out = []
+    for item in r.json():
+        ids = list(item["output_ids"])
+        matched = (item["meta_info"].get("finish_reason") or {}).get("matched")
+        if isinstance(matched, int) and matched in eos and (not ids or ids[-1] != matched):
+            ids.append(matched)  # keep the EOS as the last token, as the in-process path does
+        out.append(ids)
+    return out
 
 
 def _eos_ids(target, tokenizer) -> list[int]:
@@ -357,13 +396,15 @@ def train(
     cache_path: str | os.PathLike | None = None,
     log_path: str | os.PathLike | None = None,
     progress: bool = True,
+    response_server: Optional[str] = None,
 ) -> Path:
     """Train a drafter for ``target`` (a loaded HF causal LM on its device; frozen) and save it to ``out_dir``.
 
     ``prompts``: raw user texts, ``"sharegpt"``, or a ShareGPT-style JSON/JSONL / plain JSONL prompt file; they
     are rendered with the tokenizer's chat template when it has one. Responses are regenerated by the target
     and cached to ``cache_path`` (default ``out_dir/responses.jsonl``). The loss curve goes to ``log_path``
-    (default ``out_dir/train_log.json``). Returns ``out_dir``.
+    (default ``out_dir/train_log.json``). ``response_server``: URL of an SGLang server of the same target that
+    regenerates the responses (see :func:`generate_responses`). Returns ``out_dir``.
     """
     from tqdm import tqdm
 
@@ -388,7 +429,7 @@ def train(
     records = generate_responses(target, tokenizer, rendered, cache_path, max_new_tokens=args.max_new_tokens,
                                  batch_size=args.gen_batch_size, temperature=args.gen_temperature,
                                  max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
-                                 max_seconds=args.max_gen_seconds, progress=progress)
+                                 max_seconds=args.max_gen_seconds, progress=progress, server_url=response_server)
     records = [r for r in records if len(r["response_ids"]) >= 2 and len(r["prompt_ids"]) < args.max_seq_len - 2]
     if not records:
         raise ValueError("no usable training sequences (every response shorter than 2 tokens); check the prompts")
@@ -572,6 +613,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--gen-batch-size", type=int, default=d.gen_batch_size)
     p.add_argument("--gen-temperature", type=float, default=d.gen_temperature)
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
+    p.add_argument("--response-server", default=None,
+                   help="URL of an SGLang server of the same target that regenerates the responses (faster)")
     p.add_argument("--init-from", default=None, help="continue from this drafter dir (same config); fresh schedule")
     p.add_argument("--log-every", type=int, default=d.log_every)
     p.add_argument("--max-gen-seconds", type=float, default=None, help="stop response generation after this")
@@ -588,7 +631,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         max_gen_seconds=a.max_gen_seconds, max_train_seconds=a.max_train_seconds, init_from=a.init_from,
     )
     target, tok = load_target(a.target, a.device)
-    out = train(target, tok, a.prompts, a.out, args, cache_path=a.cache, log_path=a.log_json)
+    out = train(target, tok, a.prompts, a.out, args, cache_path=a.cache, log_path=a.log_json,
+                response_server=a.response_server)
     print(out)
 
 

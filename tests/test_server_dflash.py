@@ -604,3 +604,27 @@ def test_abort_mid_generation_then_serve_exactly(nospec, dflash, greedy_cases, g
     want = greedy_results[0][greedy_cases.index(case)]
     got = generate_all(dflash, [case.payload()])[0]
     assert _mismatch(case, want, got) is None
+
+
+# ----------------------------------------------------------------------------------------------- trainer's server path
+
+
+def test_trainer_regenerates_responses_through_the_server(nospec, target, tokenizer, tmp_path):
+    """``python -m sglang_dflash.train --response-server URL`` writes the same response cache as in-process
+    generation (greedy, EOS kept as the last token, max_new_tokens honoured)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sglang_dflash import data
+    from sglang_dflash.train import generate_responses
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    texts = data.apply_chat([EOS_QUESTIONS[0], EOS_QUESTIONS[1], "Write a haiku about the sea."], tokenizer)
+    kwargs = dict(max_new_tokens=24, batch_size=2, progress=False)
+    via_server = generate_responses(model, tokenizer, texts, tmp_path / "server.jsonl", server_url=nospec.base_url,
+                                    **kwargs)
+    in_process = generate_responses(model, tokenizer, texts, tmp_path / "hf.jsonl", **kwargs)
+    assert via_server == in_process
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert via_server[0]["response_ids"][-1] == eos and len(via_server[0]["response_ids"]) < 24
+    assert len(via_server[2]["response_ids"]) == 24 and eos not in via_server[2]["response_ids"]
