@@ -319,8 +319,11 @@ def dflash_loss(
     autocast_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, dict]:
     """Weighted block cross-entropy for one batch. Returns (loss, metrics) with metrics ``loss``, ``acc`` (top-1
-    over all supervised positions), ``acc1`` (first draft position) and ``tau`` (mean accepted length + 1 over
-    blocks whose B-1 labels all exist, i.e. the greedy acceptance length the draft would reach on this data)."""
+    over all supervised positions), ``acc1`` (first draft position), ``tau`` (mean accepted length + 1 over
+    blocks whose B-1 labels all exist: acceptance averaged over anchor positions) and ``tau_steps`` (the harmonic
+    mean of the same per-block lengths: an estimate of tokens per verify step, which is what decoding reports).
+    Decoding takes few steps through easy stretches and many through hard ones, so its tokens per step sits near
+    the harmonic mean; the plain mean overstates it whenever difficulty varies along the text."""
     cfg = draft.cfg
     blk = cfg.block_size
     ids, am = batch.input_ids, batch.attention_mask
@@ -361,6 +364,7 @@ def dflash_loss(
             "acc": float(correct_flat.float().mean()) if correct_flat.numel() else 0.0,
             "acc1": float(correct[:, :, 1][label_ok[:, :, 1]].float().mean()) if label_ok[:, :, 1].any() else 0.0,
             "tau": float((lead[full].float() + 1).mean()) if full.any() else float("nan"),
+            "tau_steps": float(1.0 / (1.0 / (lead[full].float() + 1)).mean()) if full.any() else float("nan"),
         }
     return loss, metrics
 
@@ -487,7 +491,7 @@ def train(
         if (step + 1) % args.log_every == 0 or step == 0 or step + 1 == total_steps:
             recent = history[-args.log_every:]
             bar.set_postfix(loss=f"{_mean(recent, 'loss'):.3f}", acc=f"{_mean(recent, 'acc'):.3f}",
-                            tau=f"{_mean(recent, 'tau'):.2f}")
+                            tau=f"{_mean(recent, 'tau'):.2f}", tau_steps=f"{_mean(recent, 'tau_steps'):.2f}")
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < total_steps:
             _save(draft, out_dir / f"checkpoint-{step + 1}")
         step += 1

@@ -86,6 +86,9 @@ def test_tiny_run_lowers_loss_and_loads(tiny_run):
     assert len(losses) == 40 and log["steps_run"] == 40
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.8 * first, (first, last)
+    for h in log["history"]:  # harmonic (tokens-per-step estimate) <= arithmetic mean of the block lengths
+        if h["tau"] == h["tau"]:
+            assert 1.0 <= h["tau_steps"] <= h["tau"] + 1e-9 <= 8.0 + 1e-9, h
     cfg = DFlashDraftConfig.from_pretrained(out)
     assert cfg.target_layer_ids == select_target_layers(6, 2)
     assert (cfg.block_size, cfg.mask_token_id, cfg.num_target_layers) == (8, TINY_MASK_ID, 6)
