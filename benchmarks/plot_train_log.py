@@ -2,8 +2,9 @@
 
     python benchmarks/plot_train_log.py run1/train_log.json run2/train_log.json --out loss.png
 
-Panels: weighted block cross-entropy, top-1 accuracy at block position 1, training-batch tau (tau is measured
-on the training batch itself, so it overstates held-out acceptance). Lines are 25-step moving averages.
+Panels: weighted block cross-entropy, top-1 accuracy at block position 1, training-batch tau: ``tau`` (accept
+length averaged over anchor positions) and, in logs that have it, ``tau_steps`` (harmonic mean, the estimate of
+tokens per verify step). Lines are 25-step moving averages.
 """
 
 from __future__ import annotations
@@ -37,16 +38,18 @@ def main(argv=None) -> None:
     for i, path in enumerate(a.logs):
         hist = json.load(open(path))["history"]
         steps = [offset + h["step"] for h in hist]
-        for ax, key in zip(axes, ("loss", "acc1", "tau")):
-            vals = [h[key] for h in hist if h[key] == h[key]]
-            ax.plot(steps[: len(vals)], smooth(vals), label=f"run {i + 1} ({path.split('/')[-2] or path})")
+        for ax, key in ((axes[0], "loss"), (axes[1], "acc1"), (axes[2], "tau"), (axes[2], "tau_steps")):
+            pts = [(s, h[key]) for s, h in zip(steps, hist) if key in h and h[key] == h[key]]
+            if pts:
+                ax.plot([p[0] for p in pts], smooth([p[1] for p in pts]), label=f"run {i + 1} {key}")
         offset = steps[-1]
     for ax, title in zip(axes, ("weighted CE", "top-1 acc, block position 1", "training-batch tau")):
         ax.set_title(title)
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
     axes[0].set_yscale("log")
-    axes[0].legend()
+    for ax in axes:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(a.out, dpi=110)
     print(a.out)
