@@ -31,6 +31,32 @@ def _check_per_request(name: str, t: torch.Tensor, b: int, device: torch.device)
         raise ValueError(f"{name} is on {t.device} but logits are on {device}; move it to {device}")
 
 
+def adjust_block_logits(
+    logits: torch.Tensor,
+    logit_bias: Optional[torch.Tensor] = None,
+    stop_penalties: Optional[torch.Tensor] = None,
+    num_output: Optional[torch.Tensor] = None,
+    min_new_tokens: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Apply, in place, what plain decoding adds to the logits of each block position before sampling.
+
+    logits ``[b, B, V]``: row k predicts output token ``num_output + k`` (block slot 0 is the last committed
+    token, already counted in ``num_output``). logit_bias ``[b, V]`` is added to every position.
+    min_new_tokens: ``stop_penalties`` ``[b, V]`` (``-inf`` at a request's stop/EOS ids, 0 elsewhere) is added
+    where ``num_output + k < min_new_tokens`` (``num_output``, ``min_new_tokens`` ``[b]``), i.e. exactly where
+    token-by-token decoding would still forbid stopping. Returns ``logits``.
+    """
+    b, blk, _ = logits.shape
+    if logit_bias is not None:
+        logits.add_(logit_bias.to(logits.dtype)[:, None, :])
+    if stop_penalties is not None:
+        k = torch.arange(blk, device=logits.device)
+        active = (num_output.view(b, 1) + k) < min_new_tokens.view(b, 1)  # [b, B]
+        pen = stop_penalties.to(logits.dtype)[:, None, :]
+        logits.copy_(torch.where(active[:, :, None], logits + pen, logits))
+    return logits
+
+
 def target_probs(
     logits: torch.Tensor,
     temperature: torch.Tensor,

@@ -535,8 +535,8 @@ def test_unsupported_request_refused_and_prompt_scoring_works(nospec, dflash, to
     refused = {
         "sglang-dflash: frequency_penalty=0.5 is not supported with DFLASH":
             {"input_ids": ids, "sampling_params": {"max_new_tokens": 8, "frequency_penalty": 0.5}},
-        "sglang-dflash: min_new_tokens=4 is not supported with DFLASH":
-            {"input_ids": ids, "sampling_params": {"max_new_tokens": 8, "min_new_tokens": 4}},
+        "sglang-dflash: repetition_penalty=1.2 is not supported with DFLASH":
+            {"input_ids": ids, "sampling_params": {"max_new_tokens": 8, "repetition_penalty": 1.2}},
     }
     for message, payload in refused.items():
         r = requests.post(f"{dflash.base_url}/generate", json=payload, timeout=120)
@@ -628,3 +628,40 @@ def test_trainer_regenerates_responses_through_the_server(nospec, target, tokeni
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert via_server[0]["response_ids"][-1] == eos and len(via_server[0]["response_ids"]) < 24
     assert len(via_server[2]["response_ids"]) == 24 and eos not in via_server[2]["response_ids"]
+
+
+# ----------------------------------------------------------------------------------------------- logit_bias, min_new_tokens
+
+
+def test_logit_bias_and_min_new_tokens_match_nospec(nospec, dflash, tokenizer):
+    """logit_bias and min_new_tokens are applied at every block position exactly as token-by-token decoding applies
+    them: greedy outputs (and decode logprobs) equal no-spec's, and EOS cannot end a reply before min_new_tokens."""
+    from sglang_dflash import data
+
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    prompts = chat_ids(tokenizer, data.apply_chat([EOS_QUESTIONS[0], EOS_QUESTIONS[1], "Name a planet."], tokenizer))
+    greedy = {"temperature": 0.0, "max_new_tokens": 40}
+    # the plain replies, to pick a token to push and one to ban
+    plain = [on_both(nospec, dflash, lambda s, p=p: s.generate(p, greedy)) for p in prompts]
+    first = plain[2][0]["output_ids"][0]
+    cases = [
+        {**greedy, "min_new_tokens": 24},  # the EOS questions stop after < 24 tokens without it
+        {**greedy, "logit_bias": {str(first): -100.0}},  # ban the usual first token
+        {**greedy, "logit_bias": {str(tokenizer.convert_tokens_to_ids("ĠJupiter")): 8.0}, "min_new_tokens": 3},
+    ]
+    for params in cases:
+        for p in prompts:
+            payload = {"input_ids": p, "sampling_params": params, "return_logprob": True}
+            want, got = on_both(nospec, dflash, lambda s: s.post("/generate", payload))
+            assert got["output_ids"] == want["output_ids"], (params, p)
+            w = [lp for lp, _, _ in want["meta_info"]["output_token_logprobs"]]
+            g = [lp for lp, _, _ in got["meta_info"]["output_token_logprobs"]]
+            assert g == pytest.approx(w, abs=1e-3)
+            if "min_new_tokens" in params:
+                assert eos not in got["output_ids"][: params["min_new_tokens"]]
+    short = [len(r[0]["output_ids"]) for r in plain[:2]]
+    assert all(n < 24 and r[0]["output_ids"][-1] == eos for n, r in zip(short, plain[:2])), short
+    forced = on_both(nospec, dflash, lambda s: s.generate(prompts[0], cases[0]))[1]["output_ids"]
+    assert len(forced) >= 24
+    banned = on_both(nospec, dflash, lambda s: s.generate(prompts[2], cases[1]))[1]["output_ids"]
+    assert banned[0] != first

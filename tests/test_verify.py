@@ -256,3 +256,33 @@ def test_bound_detects_broken_rules(rule, policy):
     tv, bound = _tv_and_bound(policy, 1.0, "none", rule=rule)
     assert tv > 2 * bound, f"broken rule {rule.__name__} not detected: TV {tv:.5f}, bound {bound:.5f}"
     assert math.isfinite(tv)
+
+
+def test_adjust_block_logits_matches_token_by_token_rule():
+    """Each block position gets exactly the adjustment plain decoding applies at that output length."""
+    from sglang_dflash.verify import adjust_block_logits
+
+    g = torch.Generator().manual_seed(0)
+    b, blk, v = 3, 5, 11
+    logits = torch.randn(b, blk, v, generator=g)
+    bias = torch.zeros(b, v)
+    bias[0, 4], bias[2, 7] = 3.0, -2.5
+    stops = [[2], [2, 9], [5]]
+    pen = torch.zeros(b, v)
+    for i, ids in enumerate(stops):
+        pen[i, ids] = float("-inf")
+    num_output = torch.tensor([1, 6, 2])
+    min_new = torch.tensor([4, 0, 9])
+    got = adjust_block_logits(logits.clone(), bias, pen, num_output, min_new)
+    want = logits.clone()
+    for i in range(b):
+        for k in range(blk):
+            want[i, k] += bias[i]
+            if num_output[i] + k < min_new[i]:  # token-by-token: stop ids banned while the output is short
+                want[i, k, stops[i]] = float("-inf")
+    assert torch.equal(got, want)
+    # request 0 may stop from position 3 on (1 + 3 = 4 tokens), request 2 never within this block
+    assert torch.isinf(got[0, :3, 2]).all() and torch.isfinite(got[0, 3:, 2]).all()
+    assert torch.isinf(got[2, :, 5]).all() and torch.isfinite(got[1]).all()
+    only_bias = adjust_block_logits(logits.clone(), bias)
+    assert torch.equal(only_bias, logits + bias[:, None, :])

@@ -137,9 +137,9 @@ def _create_worker(original, algo, server_args):
 
 # Sampling features whose logits adjustments the verify step does not apply yet: such
 # requests are refused up front (with the reason) rather than sampled from the wrong law.
-_UNSUPPORTED_DEFAULTS = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-                         "min_new_tokens": 0}
-_UNSUPPORTED_SET = ("logit_bias", "regex", "json_schema", "ebnf", "structural_tag")
+# (logit_bias and min_new_tokens are served: DFlashWorker.adjust_logits applies them per block position.)
+_UNSUPPORTED_DEFAULTS = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
+_UNSUPPORTED_SET = ("regex", "json_schema", "ebnf", "structural_tag")
 # return_logprob is served: prompt logprobs by the target's prefill, decode logprobs by DFlashWorker.attach_logprobs.
 
 

@@ -42,7 +42,7 @@ from sglang_dflash.adapter.spec_inputs import DFlashBlockInput, DFlashDraftState
 from sglang_dflash.config import DFlashDraftConfig
 from sglang_dflash.kernels.accept import accept_tokens
 from sglang_dflash.kernels.block_builder import build_block
-from sglang_dflash.verify import sample_predictions, target_probs
+from sglang_dflash.verify import adjust_block_logits, sample_predictions, target_probs
 
 logger = logging.getLogger(__name__)
 
@@ -222,6 +222,7 @@ class DFlashWorker(BaseSpecWorker):
     def accept(self, batch, draft_tokens: torch.Tensor, logits_output):
         bs, B = draft_tokens.shape
         logits = logits_output.next_token_logits.view(bs, B, -1)
+        self.adjust_logits(batch, logits)
         info = batch.sampling_info
         if info.is_all_greedy:
             target_tokens = logits.argmax(dim=-1)
@@ -233,6 +234,33 @@ class DFlashWorker(BaseSpecWorker):
                                  any_greedy=False)  # SGLang encodes greedy rows as top_k=1, temperature 1
             target_tokens = sample_predictions(draft_tokens, probs)
         return accept_tokens(draft_tokens, target_tokens, batch.seq_lens.to(torch.int64))
+
+    def adjust_logits(self, batch, logits: torch.Tensor) -> None:
+        """logit_bias and min_new_tokens on the verify logits ``[bs, B, V]``, in place, per block position as plain
+        decoding applies them (accept and attach_logprobs both see them). The forward's sampling_info carries no
+        penalizer state (SGLang strips it for the forward), so min_new_tokens is rebuilt from the requests with
+        SGLang's definition of a request's stop ids (sampling stop_token_ids, the tokenizer's additional stop ids
+        and its EOS)."""
+        bias = batch.sampling_info.logit_bias
+        short = [i for i, r in enumerate(batch.reqs) if r.sampling_params.min_new_tokens > len(r.output_ids)]
+        if bias is None and not short:
+            return
+        if not short:
+            adjust_block_logits(logits, bias)
+            return
+        bs, vocab = logits.shape[0], logits.shape[-1]
+        stop_penalties = torch.zeros((bs, vocab), dtype=torch.float32)
+        for i in short:
+            req = batch.reqs[i]
+            tok = req.tokenizer
+            ids = set(req.sampling_params.stop_token_ids or ()) | set(getattr(tok, "additional_stop_token_ids", None) or ())
+            if getattr(tok, "eos_token_id", None) is not None:
+                ids.add(tok.eos_token_id)
+            stop_penalties[i, [t for t in ids if 0 <= t < vocab]] = float("-inf")
+        num_output = torch.tensor([len(r.output_ids) for r in batch.reqs], dtype=torch.int64)
+        min_new = torch.tensor([r.sampling_params.min_new_tokens for r in batch.reqs], dtype=torch.int64)
+        adjust_block_logits(logits, bias, stop_penalties.to(self.device), num_output.to(self.device),
+                            min_new.to(self.device))
 
     def attach_logprobs(self, batch, logits_output, committed: torch.Tensor) -> None:
         """Decode logprobs of the committed tokens, as SGLang's sampler defines them: log_softmax of the
