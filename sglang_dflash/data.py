@@ -217,7 +217,7 @@ def training_prompts(
     """Deduplicated training prompts (``"sharegpt"`` or a prompt file), shuffled with ``seed``, eval sets excluded.
 
     ``all_turns``: every user turn of a conversation is a prompt of its own (ShareGPT has ~3.5 user turns per
-    conversation; first turns alone give too few distinct responses and the drafter overfits them).
+    conversation: about 6x as many distinct prompts as first turns alone, so training repeats responses less).
 
     A prompt is dropped when its normalised text equals an MT-Bench / HumanEval / GSM8K prompt or shares its
     first 64 normalised characters with one; duplicates (by normalised text) are kept once.
