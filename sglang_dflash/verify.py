@@ -52,8 +52,7 @@ def adjust_block_logits(
     if stop_penalties is not None:
         k = torch.arange(blk, device=logits.device)
         active = (num_output.view(b, 1) + k) < min_new_tokens.view(b, 1)  # [b, B]
-        pen = stop_penalties.to(logits.dtype)[:, None, :]
-        logits.copy_(torch.where(active[:, :, None], logits + pen, logits))
+        logits.add_(torch.where(active[:, :, None], stop_penalties.to(logits.dtype)[:, None, :], 0.0))
     return logits
 
 

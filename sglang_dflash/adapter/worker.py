@@ -245,22 +245,21 @@ class DFlashWorker(BaseSpecWorker):
         short = [i for i, r in enumerate(batch.reqs) if r.sampling_params.min_new_tokens > len(r.output_ids)]
         if bias is None and not short:
             return
-        if not short:
-            adjust_block_logits(logits, bias)
-            return
-        bs, vocab = logits.shape[0], logits.shape[-1]
-        stop_penalties = torch.zeros((bs, vocab), dtype=torch.float32)
-        for i in short:
-            req = batch.reqs[i]
-            tok = req.tokenizer
-            ids = set(req.sampling_params.stop_token_ids or ()) | set(getattr(tok, "additional_stop_token_ids", None) or ())
-            if getattr(tok, "eos_token_id", None) is not None:
-                ids.add(tok.eos_token_id)
-            stop_penalties[i, [t for t in ids if 0 <= t < vocab]] = float("-inf")
-        num_output = torch.tensor([len(r.output_ids) for r in batch.reqs], dtype=torch.int64)
-        min_new = torch.tensor([r.sampling_params.min_new_tokens for r in batch.reqs], dtype=torch.int64)
-        adjust_block_logits(logits, bias, stop_penalties.to(self.device), num_output.to(self.device),
-                            min_new.to(self.device))
+        stop_penalties = num_output = min_new = None
+        if short:
+            stop_penalties = torch.zeros((logits.shape[0], logits.shape[-1]), dtype=torch.float32)
+            for i in short:
+                req = batch.reqs[i]
+                tok = req.tokenizer
+                ids = set(req.sampling_params.stop_token_ids or ()) | set(getattr(tok, "additional_stop_token_ids", None) or ())
+                if getattr(tok, "eos_token_id", None) is not None:
+                    ids.add(tok.eos_token_id)
+                stop_penalties[i, [t for t in ids if 0 <= t < logits.shape[-1]]] = float("-inf")
+            stop_penalties = stop_penalties.to(self.device)
+            num_output = torch.tensor([len(r.output_ids) for r in batch.reqs], dtype=torch.int64).to(self.device)
+            min_new = torch.tensor([r.sampling_params.min_new_tokens for r in batch.reqs],
+                                   dtype=torch.int64).to(self.device)
+        adjust_block_logits(logits, bias, stop_penalties, num_output, min_new)
 
     def attach_logprobs(self, batch, logits_output, committed: torch.Tensor) -> None:
         """Decode logprobs of the committed tokens, as SGLang's sampler defines them: log_softmax of the
