@@ -286,3 +286,73 @@ def test_adjust_block_logits_matches_token_by_token_rule():
     assert torch.isinf(got[2, :, 5]).all() and torch.isfinite(got[1]).all()
     only_bias = adjust_block_logits(logits.clone(), bias)
     assert torch.equal(only_bias, logits + bias[:, None, :])
+
+
+def _penalized_reference(logits, counts, block_tokens, freq, pres, rep, bias=None):
+    """Token-by-token rule: at block position k the outputs so far are the committed ones plus d_1..d_k;
+    frequency and presence are subtracted, then tokens already output are scaled by the repetition penalty
+    (SGLang: x * r where x < 0, else x / r), then logit_bias is added."""
+    b, blk, v = logits.shape
+    want = logits.clone()
+    for i in range(b):
+        for k in range(blk):
+            c = counts[i].clone()
+            for t in block_tokens[i, 1:k + 1].tolist():
+                c[t] += 1
+            x = want[i, k] - freq[i] * c - pres[i] * (c > 0).float()
+            x = torch.where(c > 0, torch.where(x < 0, x * rep[i], x / rep[i]), x)
+            want[i, k] = x + (bias[i] if bias is not None else 0.0)
+    return want
+
+
+@pytest.mark.parametrize("b,blk,v", [(3, 5, 11), (4, 7, 13), (1, 2, 5), (5, 16, 37)])
+def test_block_penalties_match_token_by_token_rule(b, blk, v):
+    """Frequency / presence / repetition penalties per block position equal the token-by-token rule, with
+    draft tokens repeated inside the block and drafts that are already among the committed outputs."""
+    from sglang_dflash.verify import BlockPenalties, adjust_block_logits
+
+    g = torch.Generator().manual_seed(b * 100 + blk)
+    logits = torch.randn(b, blk, v, generator=g) * 3
+    counts = torch.zeros(b, v)
+    for i in range(b):
+        for t in torch.randint(0, v, (4 + i,), generator=g).tolist():
+            counts[i, t] += 1
+    block_tokens = torch.randint(0, max(2, v // 3), (b, blk), generator=g)  # few distinct ids: repeats
+    freq = torch.rand(b, generator=g) * 2 - 0.5
+    pres = torch.rand(b, generator=g) * 2 - 0.5
+    rep = 0.5 + torch.rand(b, generator=g) * 1.5
+    freq[0], pres[0], rep[0] = 0.0, 0.0, 1.0  # a request without penalties in the same batch
+    bias = torch.randn(b, v, generator=g)
+    p = BlockPenalties(counts, block_tokens, freq, pres, rep)
+    got = adjust_block_logits(logits.clone(), bias, penalties=p)
+    want = _penalized_reference(logits, counts, block_tokens, freq, pres, rep, bias)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    assert torch.equal(got[0], logits[0] + bias[0])  # neutral values leave the row exactly unchanged
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_block_penalties_each_kind_alone_and_with_min_new_tokens():
+    """Each penalty alone (the others neutral), combined with min_new_tokens: the stop ban stays -inf under the
+    repetition scaling and every finite entry follows the token-by-token rule."""
+    from sglang_dflash.verify import BlockPenalties, adjust_block_logits
+
+    g = torch.Generator().manual_seed(7)
+    b, blk, v = 2, 6, 9
+    logits = torch.randn(b, blk, v, generator=g)
+    counts = torch.zeros(b, v)
+    counts[0, 3], counts[1, [1, 4]] = 2, 1
+    block_tokens = torch.tensor([[3, 5, 5, 2, 3, 8], [4, 4, 1, 6, 6, 6]])
+    stops = torch.zeros(b, v)
+    stops[:, 2] = float("-inf")
+    zero, one = torch.zeros(b), torch.ones(b)
+    for freq, pres, rep in ((one * 0.7, zero, one), (zero, one * 1.3, one), (zero, zero, one * 1.8)):
+        p = BlockPenalties(counts, block_tokens, freq, pres, rep)
+        got = adjust_block_logits(logits.clone(), None, stops, torch.tensor([3, 9]), torch.tensor([6, 0]), p)
+        want = _penalized_reference(logits, counts, block_tokens, freq, pres, rep)
+        want[0, :3, 2] = float("-inf")  # outputs 3, 4, 5 < min_new_tokens 6
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # position 2 of request 0 saw d_1 = d_2 = 5: frequency counts it twice, presence once
+    p = BlockPenalties(counts, block_tokens, one * 0.7, one * 1.3, one)
+    got = adjust_block_logits(logits.clone(), penalties=p)
+    assert got[0, 2, 5].item() == pytest.approx(logits[0, 2, 5].item() - 2 * 0.7 - 1.3, abs=1e-6)
+    assert got[0, 0, 5].item() == pytest.approx(logits[0, 0, 5].item(), abs=1e-7)  # not output before position 1

@@ -137,8 +137,7 @@ def _create_worker(original, algo, server_args):
 
 # Sampling features whose logits adjustments the verify step does not apply yet: such
 # requests are refused up front (with the reason) rather than sampled from the wrong law.
-# (logit_bias and min_new_tokens are served: DFlashWorker.adjust_logits applies them per block position.)
-_UNSUPPORTED_DEFAULTS = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
+# (Penalties, logit_bias and min_new_tokens are served: DFlashWorker.adjust_logits applies them per block position.)
 _UNSUPPORTED_SET = ("regex", "json_schema", "ebnf", "structural_tag")
 # return_logprob is served: prompt logprobs by the target's prefill, decode logprobs by DFlashWorker.attach_logprobs.
 
@@ -147,10 +146,6 @@ def request_error(req) -> str | None:
     """Why sglang-dflash cannot serve `req` exactly (None when it can)."""
     sp = req.sampling_params
     fix = "Drop it, or serve without --speculative-algorithm DFLASH."
-    for name, default in _UNSUPPORTED_DEFAULTS.items():
-        value = getattr(sp, name, default)
-        if value is not None and value != default:
-            return f"sglang-dflash: {name}={value} is not supported with DFLASH yet. {fix}"
     for name in _UNSUPPORTED_SET:
         if getattr(sp, name, None):
             return f"sglang-dflash: {name} is not supported with DFLASH yet. {fix}"

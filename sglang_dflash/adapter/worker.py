@@ -42,7 +42,7 @@ from sglang_dflash.adapter.spec_inputs import DFlashBlockInput, DFlashDraftState
 from sglang_dflash.config import DFlashDraftConfig
 from sglang_dflash.kernels.accept import accept_tokens
 from sglang_dflash.kernels.block_builder import build_block
-from sglang_dflash.verify import adjust_block_logits, sample_predictions, target_probs
+from sglang_dflash.verify import BlockPenalties, adjust_block_logits, sample_predictions, target_probs
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +222,7 @@ class DFlashWorker(BaseSpecWorker):
     def accept(self, batch, draft_tokens: torch.Tensor, logits_output):
         bs, B = draft_tokens.shape
         logits = logits_output.next_token_logits.view(bs, B, -1)
-        self.adjust_logits(batch, logits)
+        self.adjust_logits(batch, logits, draft_tokens)
         info = batch.sampling_info
         if info.is_all_greedy:
             target_tokens = logits.argmax(dim=-1)
@@ -235,31 +235,45 @@ class DFlashWorker(BaseSpecWorker):
             target_tokens = sample_predictions(draft_tokens, probs)
         return accept_tokens(draft_tokens, target_tokens, batch.seq_lens.to(torch.int64))
 
-    def adjust_logits(self, batch, logits: torch.Tensor) -> None:
-        """logit_bias and min_new_tokens on the verify logits ``[bs, B, V]``, in place, per block position as plain
-        decoding applies them (accept and attach_logprobs both see them). The forward's sampling_info carries no
-        penalizer state (SGLang strips it for the forward), so min_new_tokens is rebuilt from the requests with
-        SGLang's definition of a request's stop ids (sampling stop_token_ids, the tokenizer's additional stop ids
-        and its EOS)."""
+    def adjust_logits(self, batch, logits: torch.Tensor, draft_tokens: torch.Tensor) -> None:
+        """Penalties, min_new_tokens and logit_bias on the verify logits ``[bs, B, V]``, in place, per block
+        position as plain decoding applies them (accept and attach_logprobs both see them); draft_tokens
+        ``[bs, B]`` are the verify rows. The forward's sampling_info carries no penalizer state (SGLang strips
+        it for the forward), so the penalties are rebuilt from each request's output ids and min_new_tokens
+        from SGLang's definition of a request's stop ids (sampling stop_token_ids, the tokenizer's additional
+        stop ids and its EOS)."""
         bias = batch.sampling_info.logit_bias
-        short = [i for i, r in enumerate(batch.reqs) if r.sampling_params.min_new_tokens > len(r.output_ids)]
-        if bias is None and not short:
+        reqs = batch.reqs
+        short = [i for i, r in enumerate(reqs) if r.sampling_params.min_new_tokens > len(r.output_ids)]
+        penalized = [i for i, r in enumerate(reqs) if _has_penalty(r.sampling_params)]
+        if bias is None and not short and not penalized:
             return
-        stop_penalties = num_output = min_new = None
+        bs, _, vocab = logits.shape
+        stop_penalties = num_output = min_new = penalties = None
         if short:
-            stop_penalties = torch.zeros((logits.shape[0], logits.shape[-1]), dtype=torch.float32)
+            stop_penalties = torch.zeros((bs, vocab), dtype=torch.float32)
             for i in short:
-                req = batch.reqs[i]
-                tok = req.tokenizer
-                ids = set(req.sampling_params.stop_token_ids or ()) | set(getattr(tok, "additional_stop_token_ids", None) or ())
+                tok = reqs[i].tokenizer
+                ids = set(reqs[i].sampling_params.stop_token_ids or ()) | set(getattr(tok, "additional_stop_token_ids", None) or ())
                 if getattr(tok, "eos_token_id", None) is not None:
                     ids.add(tok.eos_token_id)
-                stop_penalties[i, [t for t in ids if 0 <= t < logits.shape[-1]]] = float("-inf")
+                stop_penalties[i, [t for t in ids if 0 <= t < vocab]] = float("-inf")
             stop_penalties = stop_penalties.to(self.device)
-            num_output = torch.tensor([len(r.output_ids) for r in batch.reqs], dtype=torch.int64).to(self.device)
-            min_new = torch.tensor([r.sampling_params.min_new_tokens for r in batch.reqs],
-                                   dtype=torch.int64).to(self.device)
-        adjust_block_logits(logits, bias, stop_penalties, num_output, min_new)
+            num_output = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64).to(self.device)
+            min_new = torch.tensor([r.sampling_params.min_new_tokens for r in reqs], dtype=torch.int64).to(self.device)
+        if penalized:
+            rows = torch.tensor([i for i in penalized for _ in reqs[i].output_ids], dtype=torch.int64)
+            toks = torch.tensor([t for i in penalized for t in reqs[i].output_ids], dtype=torch.int64)
+            counts = torch.zeros((bs, vocab), dtype=torch.float32, device=self.device)
+            counts.index_put_((rows.to(self.device), toks.to(self.device)),
+                              torch.ones(len(toks), device=self.device), accumulate=True)
+            sp = [r.sampling_params for r in reqs]
+            penalties = BlockPenalties(
+                counts, draft_tokens,
+                torch.tensor([s.frequency_penalty for s in sp], dtype=torch.float32).to(self.device),
+                torch.tensor([s.presence_penalty for s in sp], dtype=torch.float32).to(self.device),
+                torch.tensor([s.repetition_penalty for s in sp], dtype=torch.float32).to(self.device))
+        adjust_block_logits(logits, bias, stop_penalties, num_output, min_new, penalties)
 
     def attach_logprobs(self, batch, logits_output, committed: torch.Tensor) -> None:
         """Decode logprobs of the committed tokens, as SGLang's sampler defines them: log_softmax of the
@@ -292,3 +306,8 @@ class _Block:
 
     def __init__(self, input_ids, positions, out_cache_loc):
         self.input_ids, self.positions, self.out_cache_loc = input_ids, positions, out_cache_loc
+
+
+def _has_penalty(sp) -> bool:
+    """A request with a frequency, presence or repetition penalty (SGLang's neutral values: 0, 0, 1)."""
+    return bool(sp.frequency_penalty) or bool(sp.presence_penalty) or sp.repetition_penalty != 1.0
