@@ -95,7 +95,9 @@ def drafter(tmp_path_factory, target):
 def servers(target, drafter, tmp_path_factory):
     # no-spec without the overlap scheduler, as DFLASH runs: SGLang's overlap mode feeds the penalizers the
     # previous step's output (one token late), which would make penalized outputs differ for that reason alone.
-    specs = {"nospec": (target, [*SERVER_ARGS, "--disable-overlap-schedule"]), "dflash": (target, [*SERVER_ARGS, *dflash_args(drafter[0])]),
+    specs = {"nospec": (target, [*SERVER_ARGS, "--disable-overlap-schedule"]),
+             # custom logit processors enabled so that the refusal of one reaches our request check
+             "dflash": (target, [*SERVER_ARGS, *dflash_args(drafter[0]), "--enable-custom-logit-processor"]),
              # memory pressure + chunked prefill: SGLang retracts a running request every few forwards
              # (SGLANG_TEST_RETRACT) and prompts are prefilled in chunks of 64 tokens.
              "dflash_stress": (target, [*SERVER_ARGS, *dflash_args(drafter[0]), "--chunked-prefill-size", "64"],
@@ -534,23 +536,21 @@ def test_unsupported_request_refused_and_prompt_scoring_works(nospec, dflash, to
     from sglang_dflash import data
 
     ids = chat_ids(tokenizer, data.apply_chat(["Name a planet."], tokenizer))[0]
-    refused = {
-        "sglang-dflash: regex is not supported with DFLASH":
-            {"input_ids": ids, "sampling_params": {"max_new_tokens": 8, "regex": "[0-9]+"}},
-        "sglang-dflash: json_schema is not supported with DFLASH":
-            {"input_ids": ids, "sampling_params": {"max_new_tokens": 8, "json_schema": '{"type": "string"}'}},
-    }
-    for message, payload in refused.items():
-        r = requests.post(f"{dflash.base_url}/generate", json=payload, timeout=120)
-        assert r.status_code == 400, (payload, r.status_code, r.text[:500])
-        assert r.json()["error"]["message"].startswith(message), r.text[:500]
-        # (not sent to the no-spec server: SGLang's grammar backend allocates its token bitmask in pinned memory,
-        # which needs a CUDA driver, and a CPU server dies on it)
+    from sglang.srt.sampling.custom_logit_processor import DisallowedTokensLogitsProcessor
+
+    processor = DisallowedTokensLogitsProcessor.to_str()
+    message = "sglang-dflash: custom logit processors are not supported with DFLASH"
+    payload = {"input_ids": ids, "custom_logit_processor": processor,
+               "sampling_params": {"max_new_tokens": 8, "custom_params": {"token_ids": [ids[-1]]}}}
+    r = requests.post(f"{dflash.base_url}/generate", json=payload, timeout=120)
+    assert r.status_code == 400, (r.status_code, r.text[:500])
+    assert r.json()["error"]["message"].startswith(message), r.text[:500]
 
     client = openai.OpenAI(base_url=f"{dflash.base_url}/v1", api_key="none")
-    with pytest.raises(openai.BadRequestError, match="sglang-dflash: regex is not supported"):
+    with pytest.raises(openai.BadRequestError, match=message):
         client.chat.completions.create(model=str(target), messages=[{"role": "user", "content": "Hi"}],
-                                       max_tokens=4, extra_body={"regex": "[0-9]+"})
+                                       max_tokens=4, extra_body={"custom_logit_processor": processor,
+                                                                 "custom_params": {"token_ids": [ids[-1]]}})
 
     # Prompt scoring (what sgl.select sends) is served, with the target's logprobs.
     score = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
@@ -696,3 +696,33 @@ def test_penalties_match_nospec(nospec, dflash, tokenizer):
             assert g == pytest.approx(w, abs=1e-3)
             outs.append(got["output_ids"])
         assert outs != plain, f"{params} changed no reply"
+
+
+# ----------------------------------------------------------------------------------------------- grammars
+
+
+def test_grammar_constrained_outputs_match_nospec(nospec, dflash, tokenizer):
+    """Regex, JSON-schema and EBNF constraints are applied at every block position (the grammar state after the
+    drafts before it): greedy outputs equal no-spec's, match the constraint, and the JSON parses."""
+    from sglang_dflash import data
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    cases = [
+        ("Give me a phone number.", {"regex": r"\(\d{3}\) \d{3}-\d{4}"}),
+        ("Describe a person as JSON.", {"json_schema": json.dumps(schema)}),
+        ("Is the sky blue?", {"ebnf": 'root ::= ("yes" | "no") ", because " [a-z ]+ "."'}),
+        ("List three colors.", {"regex": r"(red|green|blue|yellow)(, (red|green|blue|yellow)){2}"}),
+    ]
+    prompts = chat_ids(tokenizer, data.apply_chat([q for q, _ in cases], tokenizer))
+    payloads = [{"input_ids": p, "sampling_params": {"temperature": 0.0, "max_new_tokens": 64, **c}}
+                for p, (_, c) in zip(prompts, cases)]
+    want, got = on_both(nospec, dflash, lambda s: generate_all(s, payloads, threads=len(payloads)))
+    for (q, c), w, g in zip(cases, want, got):
+        assert g["output_ids"] == w["output_ids"], (q, w["text"], g["text"])
+        assert g["meta_info"]["finish_reason"] == w["meta_info"]["finish_reason"], q
+    assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", got[0]["text"]), got[0]["text"]
+    person = json.loads(got[1]["text"])
+    assert isinstance(person["name"], str) and isinstance(person["age"], int), person
+    assert re.fullmatch(r"(yes|no), because [a-z ]+\.", got[2]["text"]), got[2]["text"]
+    assert re.fullmatch(r"(red|green|blue|yellow)(, (red|green|blue|yellow)){2}", got[3]["text"]), got[3]["text"]

@@ -33,6 +33,9 @@ EXPECTED_SIGNATURES = {
     "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation": [
         "self", "batch", "forward_batch", "pp_proxy_tensors", "is_verify", "skip_attn_backend_init",
         "capture_hidden_mode"],
+    # used (not hooked) by the worker's constrained decoding
+    "sglang.srt.speculative.spec_utils.build_grammar_vocab_mask": ["reqs", "tree", "sampling_info", "device", "barrier"],
+    "sglang.srt.speculative.spec_utils.GrammarTree.from_linear_chain": ["verify_ids_2d"],
 }
 
 
@@ -135,20 +138,15 @@ def _create_worker(original, algo, server_args):
     return DFlashWorker
 
 
-# Sampling features whose logits adjustments the verify step does not apply yet: such
-# requests are refused up front (with the reason) rather than sampled from the wrong law.
-# (Penalties, logit_bias and min_new_tokens are served: DFlashWorker.adjust_logits applies them per block position.)
-_UNSUPPORTED_SET = ("regex", "json_schema", "ebnf", "structural_tag")
+# Requests whose logits the verify step cannot reproduce are refused up front (with the reason) rather than
+# sampled from the wrong law. Served: penalties, logit_bias, min_new_tokens (DFlashWorker.adjust_logits) and
+# grammars (DFlashWorker.apply_grammar), each per block position.
 # return_logprob is served: prompt logprobs by the target's prefill, decode logprobs by DFlashWorker.attach_logprobs.
 
 
 def request_error(req) -> str | None:
     """Why sglang-dflash cannot serve `req` exactly (None when it can)."""
-    sp = req.sampling_params
     fix = "Drop it, or serve without --speculative-algorithm DFLASH."
-    for name in _UNSUPPORTED_SET:
-        if getattr(sp, name, None):
-            return f"sglang-dflash: {name} is not supported with DFLASH yet. {fix}"
     if getattr(req, "custom_logit_processor", None):
         return f"sglang-dflash: custom logit processors are not supported with DFLASH yet. {fix}"
     if getattr(req, "return_hidden_states", False):

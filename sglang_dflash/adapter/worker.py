@@ -35,6 +35,7 @@ from sglang.srt.runtime_context import get_context
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.draft_worker_common import draft_server_args_overrides
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask
 
 from sglang_dflash.adapter.draft_model import SGLangDFlashDraft
 from sglang_dflash.adapter.profiling import PhaseTimer
@@ -222,6 +223,8 @@ class DFlashWorker(BaseSpecWorker):
     def accept(self, batch, draft_tokens: torch.Tensor, logits_output):
         bs, B = draft_tokens.shape
         logits = logits_output.next_token_logits.view(bs, B, -1)
+        if batch.has_grammar:
+            self.apply_grammar(batch, draft_tokens, logits_output.next_token_logits)
         self.adjust_logits(batch, logits, draft_tokens)
         info = batch.sampling_info
         if info.is_all_greedy:
@@ -234,6 +237,18 @@ class DFlashWorker(BaseSpecWorker):
                                  any_greedy=False)  # SGLang encodes greedy rows as top_k=1, temperature 1
             target_tokens = sample_predictions(draft_tokens, probs)
         return accept_tokens(draft_tokens, target_tokens, batch.seq_lens.to(torch.int64))
+
+    def apply_grammar(self, batch, draft_tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        """Constrained decoding (regex / JSON schema / EBNF / structural tags): block position k of a request with a
+        grammar gets the vocab mask of its grammar after ``d_1..d_k``, built by SGLang's chain traversal (the FSM
+        accepts the drafts one by one and rolls back). Positions after a draft the grammar forbids keep every
+        token allowed; their verdict is never used, because the masked target cannot pick that draft.
+        draft_tokens ``[bs, B]``; logits ``[bs * B, V]`` in place. The scheduler advances each FSM over the
+        committed tokens afterwards and cuts a run at the token that completes the grammar."""
+        mask = build_grammar_vocab_mask(reqs=batch.reqs, tree=GrammarTree.from_linear_chain(draft_tokens),
+                                        sampling_info=batch.sampling_info, device=self.device, barrier=None)
+        if mask is not None:
+            mask.apply(logits)
 
     def adjust_logits(self, batch, logits: torch.Tensor, draft_tokens: torch.Tensor) -> None:
         """Penalties, min_new_tokens and logit_bias on the verify logits ``[bs, B, V]``, in place, per block

@@ -17,6 +17,11 @@ spawns. Nothing in the package imports it.
    ``assign_req_to_token_pool_cpu`` (``alloc_for_spec_decode``) and
    ``assign_extend_cache_locs_cpu`` (``assign_extend_cache_locs_func``). They are registered
    here as plain-torch CPU kernels, with the semantics of SGLang's Triton versions.
+
+3. Grammar-constrained decoding (xgrammar backend) allocates its token bitmask in pinned memory (needs a CUDA
+   driver) and applies it only on GPU devices ("Unsupported device: cpu"). When
+   ``sglang.srt.constrained.xgrammar_backend`` is imported, its allocator is replaced by an unpinned one and
+   CPU logits are masked with xgrammar's own CPU ``apply_token_bitmask_inplace`` (same bitmask semantics).
 """
 
 import ctypes
@@ -83,3 +88,60 @@ for _name, (_schema, _fn) in _CPU_OPS.items():
     if not hasattr(torch.ops.sgl_kernel, _name):  # a real sgl-kernel CPU build wins
         _LIB.define(_name + _schema)
         _LIB.impl(_name, _fn, "CPU")
+
+
+_XGRAMMAR = "sglang.srt.constrained.xgrammar_backend"
+
+
+def _patch_xgrammar_backend(module) -> None:
+    import xgrammar
+
+    def allocate(vocab_size: int, batch_size: int) -> torch.Tensor:
+        return torch.full(module.get_bitmask_shape(batch_size, vocab_size), -1, dtype=module.bitmask_dtype)
+
+    def on_cpu(apply):
+        import inspect
+
+        sig = inspect.signature(apply)
+
+        def wrapped(*args, **kwargs):
+            bound = sig.bind(*args, **kwargs).arguments
+            logits, vocab_mask = bound["logits"], bound["vocab_mask"]
+            if logits.device.type == "cpu":
+                xgrammar.apply_token_bitmask_inplace(logits, vocab_mask.to(logits.device))
+            else:
+                apply(*args, **kwargs)
+        return wrapped
+
+    module._allocate_token_bitmask = allocate
+    module.XGrammarGrammar.apply_vocab_mask = on_cpu(module.XGrammarGrammar.apply_vocab_mask)
+    module.XGrammarGrammarBackend.apply_vocab_mask = staticmethod(
+        on_cpu(module.XGrammarGrammarBackend.__dict__["apply_vocab_mask"].__func__))
+
+
+class _PatchAfterImport:
+    """Meta-path finder that runs a patch right after one module executes."""
+
+    def __init__(self, name, patch):
+        self.name, self.patch = name, patch
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.name:
+            return None
+        import importlib.util
+
+        sys.meta_path.remove(self)  # find the real spec, then stay out of the way
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            self.patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _PatchAfterImport(_XGRAMMAR, _patch_xgrammar_backend))
