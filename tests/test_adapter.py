@@ -42,17 +42,21 @@ def _req(**sampling):
                            return_logprob=False, return_hidden_states=False)
 
 
-@pytest.mark.parametrize("field,value", [("regex", "a+"), ("json_schema", "{}"), ("ebnf", "root ::= \"a\""),
-                                         ("structural_tag", "{}")])
-def test_unsupported_sampling_is_refused_with_its_name(field, value):
-    msg = hooks.request_error(_req(**{field: value}))
-    assert msg.startswith("sglang-dflash:") and field in msg
+@pytest.mark.parametrize("field,text", [("custom_logit_processor", "custom logit processors"),
+                                        ("return_hidden_states", "return_hidden_states")])
+def test_unsupported_request_is_refused_with_its_name(field, text):
+    req = _req()
+    setattr(req, field, "<serialized processor>" if field == "custom_logit_processor" else True)
+    msg = hooks.request_error(req)
+    assert msg.startswith("sglang-dflash:") and text in msg and "without --speculative-algorithm DFLASH" in msg
 
 
 def test_plain_and_prompt_scoring_requests_are_served():
     assert hooks.request_error(_req()) is None
     assert hooks.request_error(_req(logit_bias={"3": 1.0}, min_new_tokens=4)) is None  # applied per block position
     assert hooks.request_error(_req(frequency_penalty=0.5, presence_penalty=-0.2, repetition_penalty=1.1)) is None
+    for field, value in (("regex", "a+"), ("json_schema", "{}"), ("ebnf", 'root ::= "a"'), ("structural_tag", "{}")):
+        assert hooks.request_error(_req(**{field: value})) is None  # grammar masks per block position
     scoring = _req(max_new_tokens=0)
     scoring.return_logprob = True
     assert hooks.request_error(scoring) is None
