@@ -264,8 +264,9 @@ def test_eos_inside_block(greedy_cases, greedy_results, tokenizer):
 # ----------------------------------------------------------------------------------------------- 4. accept length
 
 
-@pytest.mark.xfail(strict=True, reason="issue #4: the bundled drafter is under-trained (server accept length ~1.6 "
-                   "on H200, reference-engine tau ~1.6, see benchmarks/RESULTS.md); this asserts the required > 2")
+@pytest.mark.xfail(strict=True, reason="issue #4: the bundled drafter is under-trained (short replies: 32 tokens; "
+                   "H200 server 1.9-2.1 over 40 prompts x 128 tokens, see benchmarks/RESULTS.md); this asserts the "
+                   "required > 2")
 def test_accept_length_with_trained_drafter(drafter, greedy_cases, greedy_results, dflash):
     """Mean accept length (SGLang's definition: completion_tokens / spec_verify_ct, aggregated over the
     held-out mtbench/humaneval/gsm8k prompts) must exceed 2 with the bundled drafter."""
@@ -726,3 +727,21 @@ def test_grammar_constrained_outputs_match_nospec(nospec, dflash, tokenizer):
     assert isinstance(person["name"], str) and isinstance(person["age"], int), person
     assert re.fullmatch(r"(yes|no), because [a-z ]+\.", got[2]["text"]), got[2]["text"]
     assert re.fullmatch(r"(red|green|blue|yellow)(, (red|green|blue|yellow)){2}", got[3]["text"]), got[3]["text"]
+
+
+# ----------------------------------------------------------------------------------------------- examples
+
+
+@pytest.mark.parametrize("script,expect", [("openai_chat.py", r"cached \d+"), ("frontend_program.py", r"-> (yes|no)"),
+                                           ("structured_output.py", r"json: \{'city': ")])
+def test_examples_run_against_the_dflash_server(dflash, script, expect):
+    """The client examples under examples/ run unchanged against a DFLASH server."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / script
+    res = subprocess.run([sys.executable, str(path), "--base-url", dflash.base_url], capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert re.search(expect, res.stdout), res.stdout[-2000:]
