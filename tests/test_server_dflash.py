@@ -727,6 +727,20 @@ def test_grammar_constrained_outputs_match_nospec(nospec, dflash, tokenizer):
     assert isinstance(person["name"], str) and isinstance(person["age"], int), person
     assert re.fullmatch(r"(yes|no), because [a-z ]+\.", got[2]["text"]), got[2]["text"]
     assert re.fullmatch(r"(red|green|blue|yellow)(, (red|green|blue|yellow)){2}", got[3]["text"]), got[3]["text"]
+    # sampled (temperature 1): every reply still satisfies its constraint
+    sampled = [{**p, "sampling_params": {**p["sampling_params"], "temperature": 1.0, "sampling_seed": seed}}
+               for p in payloads for seed in range(3)]
+    checked = 0
+    for out, p in zip(generate_all(dflash, sampled), sampled):
+        text, params = out["text"], p["sampling_params"]
+        if out["meta_info"]["finish_reason"]["type"] != "stop":
+            continue  # cut by max_new_tokens: a prefix of a valid reply
+        checked += 1
+        if "regex" in params:
+            assert re.fullmatch(params["regex"], text), (params["regex"], text)
+        if "json_schema" in params:
+            assert set(json.loads(text)) == {"name", "age"}, text
+    assert checked >= 6, f"only {checked} of {len(sampled)} sampled replies completed their grammar"
 
 
 # ----------------------------------------------------------------------------------------------- examples
