@@ -16,11 +16,11 @@ which makes the committed tokens distributed exactly as sampling from the target
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["BlockPenalties", "adjust_block_logits", "target_probs", "greedy_predictions", "sample_predictions", "accept"]
+__all__ = ["BlockPenalties", "OutputCounts", "adjust_block_logits", "target_probs", "greedy_predictions", "sample_predictions", "accept"]
 
 
 def _check_per_request(name: str, t: torch.Tensor, b: int, device: torch.device) -> None:
@@ -46,6 +46,43 @@ class BlockPenalties:
     frequency: torch.Tensor
     presence: torch.Tensor
     repetition: torch.Tensor
+
+
+class OutputCounts:
+    """Per-request counts of output tokens for the penalties, kept between verify steps.
+
+    Each call brings a request's ``[V]`` row up to date with the tokens output since the previous call (O(new
+    tokens) per step instead of O(all output tokens)); a request missing from a call is forgotten and rebuilt from
+    its whole output if it comes back, as is one whose output got shorter.
+    """
+
+    def __init__(self, vocab_size: int, device) -> None:
+        self.vocab_size, self.device = vocab_size, torch.device(device)
+        self._rows: dict = {}  # key -> (number of output tokens counted, row [V] float32)
+
+    def gather(self, keys: Sequence, outputs: Sequence[Sequence[int]], rows: Sequence[int],
+               batch_size: int) -> torch.Tensor:
+        """-> ``[batch_size, V]`` float32: row ``rows[j]`` counts ``outputs[j]`` (request ``keys[j]``), others 0."""
+        counts = torch.zeros((batch_size, self.vocab_size), dtype=torch.float32, device=self.device)
+        kept_at, kept, new_rows, new_toks = [], [], [], []
+        for key, out, row in zip(keys, outputs, rows):
+            done, cached = self._rows.get(key, (0, None))
+            if cached is None or done > len(out):
+                done = 0
+            else:
+                kept_at.append(row)
+                kept.append(cached)
+            new = out[done:]
+            new_rows += [row] * len(new)
+            new_toks += new
+        if kept:
+            counts.index_copy_(0, torch.tensor(kept_at, device=self.device), torch.stack(kept))
+        if new_toks:
+            counts.index_put_((torch.tensor(new_rows, dtype=torch.int64).to(self.device),
+                               torch.tensor(new_toks, dtype=torch.int64).to(self.device)),
+                              torch.ones(len(new_toks), device=self.device), accumulate=True)
+        self._rows = {key: (len(out), counts[row]) for key, out, row in zip(keys, outputs, rows)}
+        return counts
 
 
 def _draft_occurrences(p: BlockPenalties) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

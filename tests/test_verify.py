@@ -356,3 +356,30 @@ def test_block_penalties_each_kind_alone_and_with_min_new_tokens():
     got = adjust_block_logits(logits.clone(), penalties=p)
     assert got[0, 2, 5].item() == pytest.approx(logits[0, 2, 5].item() - 2 * 0.7 - 1.3, abs=1e-6)
     assert got[0, 0, 5].item() == pytest.approx(logits[0, 0, 5].item(), abs=1e-7)  # not output before position 1
+
+
+def test_output_counts_follow_growing_outputs_and_batch_changes():
+    """OutputCounts equals a from-scratch bincount after every step: outputs grow, a request leaves and comes
+    back, rows move, an output gets shorter."""
+    from sglang_dflash.verify import OutputCounts
+
+    v = 17
+    g = torch.Generator().manual_seed(3)
+    outs = {k: torch.randint(0, v, (n,), generator=g).tolist() for k, n in (("a", 3), ("b", 1), ("c", 6))}
+    oc = OutputCounts(v, "cpu")
+
+    def check(keys, rows, bs):
+        got = oc.gather(keys, [outs[k] for k in keys], rows, bs)
+        want = torch.zeros(bs, v)
+        for k, r in zip(keys, rows):
+            want[r] = torch.bincount(torch.tensor(outs[k], dtype=torch.int64), minlength=v).float()
+        assert torch.equal(got, want), (keys, rows)
+
+    check(["a", "b", "c"], [0, 1, 3], 4)
+    for step in range(4):
+        for k in outs:
+            outs[k] += torch.randint(0, v, (1 + step,), generator=g).tolist()  # a verify step commits 1..B tokens
+        check(["a", "b", "c"] if step != 1 else ["c", "a"], [0, 1, 2] if step != 1 else [0, 1], 3)
+    outs["b"] = outs["b"][:2]  # shorter than what was counted: rebuilt
+    check(["b"], [0], 1)
+    check([], [], 2)

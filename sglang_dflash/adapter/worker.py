@@ -43,7 +43,7 @@ from sglang_dflash.adapter.spec_inputs import DFlashBlockInput, DFlashDraftState
 from sglang_dflash.config import DFlashDraftConfig
 from sglang_dflash.kernels.accept import accept_tokens
 from sglang_dflash.kernels.block_builder import build_block
-from sglang_dflash.verify import BlockPenalties, adjust_block_logits, sample_predictions, target_probs
+from sglang_dflash.verify import BlockPenalties, OutputCounts, adjust_block_logits, sample_predictions, target_probs
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ class DFlashWorker(BaseSpecWorker):
         self.draft_runner = self._draft_worker.model_runner
         self.draft_model: SGLangDFlashDraft = self.draft_runner.model
         self.timer = PhaseTimer.from_env(self.device)
+        self.output_counts = None  # OutputCounts for the penalties, made at the first penalized step (logits width)
         logger.info(
             "DFLASH served by sglang-dflash (block_size=%d, target_layer_ids=%s, mask_token_id=%d, "
             "attention_backend=%s)",
@@ -254,7 +255,8 @@ class DFlashWorker(BaseSpecWorker):
         """Penalties, min_new_tokens and logit_bias on the verify logits ``[bs, B, V]``, in place, per block
         position as plain decoding applies them (accept and attach_logprobs both see them); draft_tokens
         ``[bs, B]`` are the verify rows. The forward's sampling_info carries no penalizer state (SGLang strips
-        it for the forward), so the penalties are rebuilt from each request's output ids and min_new_tokens
+        it for the forward), so the penalties count each request's output ids (kept between steps by
+        OutputCounts, updated with the tokens committed since) and min_new_tokens
         from SGLang's definition of a request's stop ids (sampling stop_token_ids, the tokenizer's additional
         stop ids and its EOS)."""
         bias = batch.sampling_info.logit_bias
@@ -277,11 +279,10 @@ class DFlashWorker(BaseSpecWorker):
             num_output = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64).to(self.device)
             min_new = torch.tensor([r.sampling_params.min_new_tokens for r in reqs], dtype=torch.int64).to(self.device)
         if penalized:
-            rows = torch.tensor([i for i in penalized for _ in reqs[i].output_ids], dtype=torch.int64)
-            toks = torch.tensor([t for i in penalized for t in reqs[i].output_ids], dtype=torch.int64)
-            counts = torch.zeros((bs, vocab), dtype=torch.float32, device=self.device)
-            counts.index_put_((rows.to(self.device), toks.to(self.device)),
-                              torch.ones(len(toks), device=self.device), accumulate=True)
+            if self.output_counts is None or self.output_counts.vocab_size != vocab:
+                self.output_counts = OutputCounts(vocab, self.device)
+            counts = self.output_counts.gather([reqs[i].rid for i in penalized], [reqs[i].output_ids for i in penalized],
+                                               penalized, bs)
             sp = [r.sampling_params for r in reqs]
             penalties = BlockPenalties(
                 counts, draft_tokens,
