@@ -95,6 +95,11 @@ def iter_json_records(path: str | os.PathLike) -> Iterator[dict | str]:
         yield obj
 
 
+def _role_text(turn: dict) -> tuple[Optional[str], object]:
+    """(role, text) of one ShareGPT (``from`` / ``value``) or OpenAI (``role`` / ``content``) message."""
+    return turn.get("from", turn.get("role")), turn.get("value", turn.get("content"))
+
+
 def first_user_turn(record: dict | str) -> Optional[str]:
     """The first user message of a ShareGPT (``conversations``), OpenAI (``messages``) or plain prompt record."""
     if isinstance(record, str):
@@ -104,11 +109,10 @@ def first_user_turn(record: dict | str) -> Optional[str]:
             turns = record[key]
             if not turns:
                 return None
-            turn = turns[0]
-            role = turn.get("from", turn.get("role"))
+            role, text = _role_text(turns[0])
             if role not in ("human", "user"):
                 return None
-            return turn.get("value", turn.get("content"))
+            return text
     for key in ("prompt", "text", "question", "instruction"):
         if isinstance(record.get(key), str):
             return record[key]
@@ -123,9 +127,8 @@ def user_turns(record: dict | str) -> list[str]:
     if isinstance(record, dict):
         for key in ("conversations", "messages"):
             if key in record:
-                return [t.get("value", t.get("content")) for t in record[key]
-                        if t.get("from", t.get("role")) in ("human", "user")
-                        and isinstance(t.get("value", t.get("content")), str)]
+                return [text for role, text in map(_role_text, record[key])
+                        if role in ("human", "user") and isinstance(text, str)]
     text = first_user_turn(record)
     return [text] if text else []
 

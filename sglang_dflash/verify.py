@@ -150,8 +150,9 @@ def adjust_block_logits(
     token-by-token decoding would still forbid stopping. Returns ``logits``.
     """
     b, blk, _ = logits.shape
-    occ = _draft_occurrences(penalties) if penalties is not None else None
+    occ = None
     if penalties is not None:
+        occ = _draft_occurrences(penalties)
         _apply_additive_penalties(logits, penalties, occ)
     if stop_penalties is not None:
         k = torch.arange(blk, device=logits.device)

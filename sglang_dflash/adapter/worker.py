@@ -276,19 +276,16 @@ class DFlashWorker(BaseSpecWorker):
                     ids.add(tok.eos_token_id)
                 stop_penalties[i, [t for t in ids if 0 <= t < vocab]] = float("-inf")
             stop_penalties = stop_penalties.to(self.device)
-            num_output = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64).to(self.device)
-            min_new = torch.tensor([r.sampling_params.min_new_tokens for r in reqs], dtype=torch.int64).to(self.device)
+            num_output, min_new = torch.tensor([[len(r.output_ids), r.sampling_params.min_new_tokens] for r in reqs],
+                                               dtype=torch.int64).to(self.device).unbind(1)  # one copy
         if penalized:
             if self.output_counts is None or self.output_counts.vocab_size != vocab:
                 self.output_counts = OutputCounts(vocab, self.device)
             counts = self.output_counts.gather([reqs[i].rid for i in penalized], [reqs[i].output_ids for i in penalized],
                                                penalized, bs)
-            sp = [r.sampling_params for r in reqs]
-            penalties = BlockPenalties(
-                counts, draft_tokens,
-                torch.tensor([s.frequency_penalty for s in sp], dtype=torch.float32).to(self.device),
-                torch.tensor([s.presence_penalty for s in sp], dtype=torch.float32).to(self.device),
-                torch.tensor([s.repetition_penalty for s in sp], dtype=torch.float32).to(self.device))
+            params = torch.tensor([[r.sampling_params.frequency_penalty, r.sampling_params.presence_penalty,
+                                    r.sampling_params.repetition_penalty] for r in reqs], dtype=torch.float32)
+            penalties = BlockPenalties(counts, draft_tokens, *params.to(self.device).unbind(1))  # one copy
         adjust_block_logits(logits, bias, stop_penalties, num_output, min_new, penalties)
 
     def attach_logprobs(self, batch, logits_output, committed: torch.Tensor) -> None:
