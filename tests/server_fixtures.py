@@ -4,8 +4,8 @@ The drafter is ``$SGLANG_DFLASH_TEST_DRAFTER`` when set (a trained DFlash drafte
 else the bundled one (``sglang_dflash.assets.bundled_drafter_path()``) when it is committed, otherwise a
 random 1-layer drafter written by :func:`make_random_drafter`; :func:`drafter_for_tests` says which. Both
 servers ask for float32 with the harness defaults plus ``--enable-cache-report`` (SGLang fills the OpenAI
-``usage.prompt_tokens_details.cached_tokens`` only with that flag); on CPU they run float32, in the harness's
-GPU mode (``SGLANG_DFLASH_TEST_DEVICE=cuda``) bfloat16 (``harness.server.server_dtype``).
+``usage.prompt_tokens_details.cached_tokens`` only with that flag); they run float32 except in the harness's
+GPU mode with the flashinfer backend, which serves bfloat16 (``harness.server.server_dtype``).
 """
 
 from __future__ import annotations

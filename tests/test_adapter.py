@@ -96,7 +96,7 @@ def test_server_args_resolved_from_the_draft(draft_dir):
 @pytest.mark.parametrize("overrides,message", [
     ({"tp_size": 2}, "parallel sizes 2/1/1"),
     ({"page_size": 16}, "--page-size 16"),
-    ({"attention_backend": "triton"}, "--attention-backend triton"),
+    ({"attention_backend": "fa3"}, "--attention-backend fa3"),
     ({"speculative_dflash_block_size": 65}, r"block size 65 is out of range \[2, 64\]"),
     ({"speculative_dflash_block_size": 8, "speculative_num_draft_tokens": 4}, "differ"),
     ({"speculative_eagle_topk": 4}, "must be 1"),
@@ -148,3 +148,25 @@ def test_mismatched_sglang_refuses_dflash_only():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "REFUSED: sglang-dflash supports SGLang 0.5.17 only" in out.stdout
     assert "sglang==9.9 installed" in out.stdout and "SGLANG_DFLASH_IMPL=builtin" in out.stdout
+
+
+def test_sync_free_plans_switch_only_captured_single_wrapper_fa2_plans():
+    from sglang.srt.layers.attention.flashinfer_backend import fast_prefill_plan
+
+    from sglang_dflash.adapter.worker import sync_free_plans
+
+    def wrapper(backend="fa2", cached=True):
+        w = SimpleNamespace(_backend=backend, _cached_module=object() if cached else None)
+        w.begin_forward = "plan"
+        return w
+
+    captured = {1: [wrapper()], 4: [wrapper()], 8: [wrapper(backend="fa3")], 16: [wrapper(cached=False)]}
+    backend = SimpleNamespace(num_wrappers=1, prefill_cuda_graph_metadata=captured)
+    assert sync_free_plans(backend) == 2
+    for bs in (1, 4):
+        (w,) = captured[bs]
+        assert w.begin_forward.func is fast_prefill_plan and w.begin_forward.args == (w,)
+    assert captured[8][0].begin_forward == captured[16][0].begin_forward == "plan"
+    sliding = SimpleNamespace(num_wrappers=2, prefill_cuda_graph_metadata={1: [wrapper(), wrapper()]})
+    assert sync_free_plans(sliding) == 0
+    assert all(w.begin_forward == "plan" for w in sliding.prefill_cuda_graph_metadata[1])

@@ -2,8 +2,9 @@
 reproduce transformers' greedy tokens exactly, alone and under concurrent load.
 
 Runs in the harness's device mode (``SGLANG_DFLASH_TEST_DEVICE``, see ``harness/server.py``). In GPU mode the
-server serves bfloat16 with flashinfer and the transformers reference runs in bfloat16 on the GPU too; the
-tiny model's head_dim is 64 there (flashinfer's attention kernels are built for head_dim 64/128/256, not 16).
+server serves float32 with triton attention (bfloat16 with ``SGLANG_DFLASH_TEST_GPU_BACKEND=flashinfer``) and
+the transformers reference runs in the same dtype on the GPU; the tiny model's head_dim is 64 there (flashinfer's
+attention kernels are built for head_dim 64/128/256, not 16).
 The argv/env tests at the end build both modes' server commands without starting anything.
 """
 
@@ -24,9 +25,11 @@ from harness.models import make_tiny_llama
 from harness.server import (
     CPU_SERVER_ENV,
     DEVICE,
+    GPU_BACKEND,
     SITECUSTOMIZE_DIR,
     ServerStartupError,
     device_from_env,
+    gpu_backend_from_env,
     expect_startup_failure,
     launch_server,
     server_command,
@@ -60,7 +63,7 @@ def tiny_dir(tmp_path_factory):
 def hf_model(tiny_dir):
     from transformers import AutoModelForCausalLM
 
-    # The server's dtype and device (float32 on CPU; bfloat16 on the GPU in GPU mode).
+    # The server's dtype and device (float32; bfloat16 on the GPU with the flashinfer backend).
     dtype = getattr(torch, server_dtype("float32"))
     return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=dtype).to(DEVICE).eval()
 
@@ -102,7 +105,7 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": Tr
 def test_server_runs_harness_device_and_backend(server):
     info = server.get_server_info()
     assert info["device"] == DEVICE
-    assert info["attention_backend"] == {"cpu": "torch_native", "cuda": "flashinfer"}[DEVICE]
+    assert info["attention_backend"] == {"cpu": "torch_native", "cuda": GPU_BACKEND}[DEVICE]
     assert info["dtype"] == server_dtype("float32")
     assert info["speculative_algorithm"] is None
     if DEVICE == "cuda":  # decode runs as CUDA graphs (SGLang 0.5.17 logs each capture)
@@ -235,18 +238,30 @@ def test_cpu_server_command_and_env():
     assert server_dtype("float32", device="cpu") == "float32"
 
 
-def test_cuda_server_command_and_env(monkeypatch):
-    cmd = server_command("/m", 1234, ["--dtype", "float32", "--decode-log-interval", "1"], device="cuda")
+def test_gpu_backend_switch_values():
+    assert gpu_backend_from_env({}) == "triton"
+    assert gpu_backend_from_env({"SGLANG_DFLASH_TEST_GPU_BACKEND": "flashinfer"}) == "flashinfer"
+    with pytest.raises(ValueError, match="SGLANG_DFLASH_TEST_GPU_BACKEND='fa3' is not a test GPU backend"):
+        gpu_backend_from_env({"SGLANG_DFLASH_TEST_GPU_BACKEND": "fa3"})
+    with pytest.raises(ValueError, match="not one of"):
+        server_command("/m", 1234, device="cuda", gpu_backend="fa3")
+
+
+@pytest.mark.parametrize("backend, dtype", [("triton", "float32"), ("flashinfer", "bfloat16")])
+def test_cuda_server_command_and_env(monkeypatch, backend, dtype):
+    cmd = server_command("/m", 1234, ["--dtype", "float32", "--decode-log-interval", "1"], device="cuda",
+                         gpu_backend=backend)
     assert cmd == [
-        *PREFIX, "--device", "cuda", "--attention-backend", "flashinfer", "--mem-fraction-static", "0.12",
+        *PREFIX, "--device", "cuda", "--attention-backend", backend, "--mem-fraction-static", "0.12",
         "--max-total-tokens", "16384", "--cuda-graph-max-bs", "32", "--disable-prefill-cuda-graph",
-        "--sleep-on-idle", "--dtype", "bfloat16", "--decode-log-interval", "1"]
+        "--sleep-on-idle", "--dtype", dtype, "--decode-log-interval", "1"]
     # CUDA graphs for decode / verify stay on: nothing disables them
     assert not {"--disable-cuda-graph", "--disable-decode-cuda-graph", "--cuda-graph-backend-decode"} & set(cmd)
-    assert server_command("/m", 1234, ["--dtype=float32"], device="cuda")[-1] == "--dtype=bfloat16"
-    assert server_command("/m", 1234, ["--dtype", "float16"], device="cuda")[-2:] == ["--dtype", "float16"]
-    assert server_dtype("float32", device="cuda") == "bfloat16"
-    assert server_dtype("bfloat16", device="cuda") == "bfloat16"
+    assert server_command("/m", 1234, ["--dtype=float32"], device="cuda", gpu_backend=backend)[-1] == f"--dtype={dtype}"
+    assert server_command("/m", 1234, ["--dtype", "float16"], device="cuda",
+                          gpu_backend=backend)[-2:] == ["--dtype", "float16"]
+    assert server_dtype("float32", device="cuda", gpu_backend=backend) == dtype
+    assert server_dtype("bfloat16", device="cuda", gpu_backend=backend) == "bfloat16"
     # a test's own value still wins over a GPU default
     over = server_command("/m", 1234, ["--mem-fraction-static", "0.3"], device="cuda")
     assert over.count("--mem-fraction-static") == 1 and over[-2:] == ["--mem-fraction-static", "0.3"]
@@ -258,6 +273,7 @@ def test_cuda_server_command_and_env(monkeypatch):
     assert env["PYTHONPATH"].split(os.pathsep) == ["/opt/sglang", "/opt/site"]
     assert "SGLANG_USE_CPU_ENGINE" not in env
     assert env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "0" and env["HF_HUB_OFFLINE"] == "1"
+    assert env["TRITON_F32_DEFAULT"] == "ieee"  # float32 tl.dot without TF32 rounding
     assert env["OMP_NUM_THREADS"] == "1"
     monkeypatch.delenv("PYTHONPATH")
     assert "PYTHONPATH" not in server_env(device="cuda")

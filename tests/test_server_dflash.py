@@ -5,8 +5,8 @@ One no-spec and one DFLASH server are started once for the module, concurrently.
 bundled one when it is committed, else a random 1-layer drafter (greedy and sampled outputs must be
 exact with ANY drafter; only the accept-length test needs the trained one and fails without it).
 Requests are sent concurrently so verify steps run on mixed batches.
-With ``SGLANG_DFLASH_TEST_DEVICE=cuda`` the same tests run on a GPU (flashinfer, CUDA graphs on) in bfloat16
-instead of float32; see ``harness/server.py``.
+With ``SGLANG_DFLASH_TEST_DEVICE=cuda`` the same tests run on a GPU with CUDA graphs on (triton attention in
+float32, or flashinfer in bfloat16 with ``SGLANG_DFLASH_TEST_GPU_BACKEND=flashinfer``); see ``harness/server.py``.
 """
 
 from __future__ import annotations

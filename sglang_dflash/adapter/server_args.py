@@ -8,7 +8,7 @@ from sglang_dflash.config import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, DFlashConfigErr
 
 logger = logging.getLogger(__name__)
 
-_SUPPORTED_BACKENDS = ("flashinfer", "torch_native")
+_SUPPORTED_BACKENDS = ("flashinfer", "triton", "torch_native")
 
 
 def _fail(problem: str, fix: str):

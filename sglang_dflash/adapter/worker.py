@@ -22,8 +22,10 @@ Prefill is the target's own extend with hidden-state capture, followed by
 
 from __future__ import annotations
 
+import inspect
 import logging
 from copy import deepcopy
+from functools import partial
 
 import torch
 
@@ -108,6 +110,14 @@ class DFlashWorker(BaseSpecWorker):
         return worker
 
     # ---- SGLang worker plumbing -------------------------------------------------------
+    def init_cuda_graphs(self):
+        """Capture the draft's graphs (the target's are captured by its own worker first); on FlashInfer, make
+        the captured verify-shaped graphs of both runners plan without a host sync (see `sync_free_plans`)."""
+        super().init_cuda_graphs()
+        if self.backend == "flashinfer":
+            n = sum(sync_free_plans(runner.attn_backend) for runner in (self.target_runner, self.draft_runner))
+            logger.info("sglang-dflash: %d captured verify/draft graph wrappers plan without a host sync", n)
+
     @property
     def spec_v2_attn_backends(self) -> tuple:
         return (self.target_runner.attn_backend, self.draft_runner.attn_backend)
@@ -310,6 +320,33 @@ class DFlashWorker(BaseSpecWorker):
 
     def commit_kv(self, aux_hidden: torch.Tensor, positions: torch.Tensor, cache_loc: torch.Tensor) -> None:
         self.draft_model.write_context_kv(aux_hidden, positions, cache_loc, self.draft_runner.token_to_kv_pool)
+
+
+def sync_free_plans(attn_backend) -> int:
+    """Let the replays of ``attn_backend``'s captured TARGET_VERIFY graphs plan FlashInfer from host-known
+    lengths; returns the number of wrappers switched.
+
+    FlashInfer's ``plan()`` copies its indptrs to the host (three blocking copies), so the host waits for every
+    queued kernel before each replay: the verify's preparation could not start until the draft forward had
+    finished. SGLang's ``fast_prefill_plan`` takes the host layout instead; SGLang's FlashInfer backend builds it
+    from ``seq_lens_cpu``, which the worker sets to each request's full KV length (committed prefix + block)
+    and which matches the device indptr the spec input builds. Only for a single full-attention wrapper
+    (sliding-window / cross-attention wrappers see other lengths)."""
+    from sglang.srt.layers.attention.flashinfer_backend import fast_prefill_plan
+
+    needed = {"qo_indptr_host", "kv_indptr_host", "kv_lens_host", "max_q_len", "max_kv_len"}
+    if not needed <= set(inspect.signature(fast_prefill_plan).parameters):
+        raise RuntimeError(f"sglang-dflash: SGLang's fast_prefill_plan{inspect.signature(fast_prefill_plan)} lacks "
+                           f"{sorted(needed)}; install the supported SGLang version.")
+    if attn_backend.num_wrappers != 1:
+        return 0
+    switched = 0
+    for wrappers in attn_backend.prefill_cuda_graph_metadata.values():
+        for w in wrappers:
+            if getattr(w, "_backend", None) == "fa2" and getattr(w, "_cached_module", None) is not None:
+                w.begin_forward = partial(fast_prefill_plan, w)
+                switched += 1
+    return switched
 
 
 class _Block:

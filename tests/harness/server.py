@@ -7,18 +7,21 @@ ops that speculative decoding reaches exist (see its docstring). With ``--specul
 overlap scheduler is CUDA-only (``FutureMap`` calls ``Tensor.record_stream``): pass
 ``--disable-overlap-schedule`` unless the algorithm turns it off itself.
 
-GPU mode (``SGLANG_DFLASH_TEST_DEVICE=cuda``): the server gets ``CUDA_SERVER_ARGS`` (``--device cuda``,
-``flashinfer`` attention, CUDA graphs for decode/verify ON, prefill CUDA graph off, a small KV pool so the
-suite's servers share one GPU), no ``sitecustomize`` and no ``SGLANG_USE_CPU_ENGINE``. flashinfer runs only
-fp16/bf16, so a test's ``--dtype float32`` is served as ``bfloat16`` (:func:`server_dtype`, the one place
-that maps it): the exact-identity comparisons (DFLASH vs no-spec, server vs transformers) then run in bf16,
-where they may legitimately differ; they are not relaxed. Servers get ``STARTUP_TIMEOUT`` (420 s) to start
-(first start captures CUDA graphs and JIT-compiles kernels). Nothing here needs the repo's ``.venv`` or the
-network; sglang and sglang-dflash (with its ``sglang.srt.plugins`` entry point, i.e. installed, e.g. a wheel
-on PYTHONPATH) must be importable from the test process's PYTHONPATH, which the servers inherit. Run from
-the repository root::
+GPU mode (``SGLANG_DFLASH_TEST_DEVICE=cuda``): the server gets ``CUDA_SERVER_ARGS`` (``--device cuda``, the
+attention backend ``$SGLANG_DFLASH_TEST_GPU_BACKEND``, CUDA graphs for decode/verify ON, prefill CUDA graph off,
+a small KV pool so the suite's servers share one GPU), no ``sitecustomize`` and no ``SGLANG_USE_CPU_ENGINE``.
+The backend is ``triton`` by default: it runs float32, and with ``TRITON_F32_DEFAULT=ieee`` (no TF32 inside the
+attention kernels) the exact-identity comparisons (DFLASH vs no-spec, server vs transformers) hold on the GPU
+as on CPU. ``SGLANG_DFLASH_TEST_GPU_BACKEND=flashinfer`` serves what the benchmarks serve; flashinfer runs only
+fp16/bf16, so a test's ``--dtype float32`` is then served as ``bfloat16`` (:func:`server_dtype`, the one place
+that maps it), where the identity comparisons may legitimately differ; they are not relaxed. Servers get
+``STARTUP_TIMEOUT`` (420 s) to start (first start captures CUDA graphs and JIT-compiles kernels). Nothing here
+needs the repo's ``.venv`` or the network; sglang and sglang-dflash (with its ``sglang.srt.plugins`` entry
+point, i.e. installed, e.g. a wheel on PYTHONPATH) must be importable from the test process's PYTHONPATH,
+which the servers inherit. Run from outside the checkout (so the installed package is imported)::
 
-    SGLANG_DFLASH_TEST_DEVICE=cuda python3 -m pytest -q -ra tests/test_server_dflash.py tests/test_harness.py
+    SGLANG_DFLASH_TEST_DEVICE=cuda python3 -m pytest -q -ra --rootdir REPO REPO/tests/test_server_dflash.py \
+        REPO/tests/test_harness.py
 
 (no ``-x``: in bf16 a mismatch is an outcome to record, and ``-x`` would stop the run at the first one).
 ``SGLANG_DFLASH_TEST_DRAFTER=<dir>`` serves another drafter than the bundled one (``server_fixtures.py``).
@@ -74,17 +77,32 @@ CPU_SERVER_ARGS: dict[str, str | None] = {
     "--sleep-on-idle": None,
 }
 
+GPU_BACKEND_ENV_VAR = "SGLANG_DFLASH_TEST_GPU_BACKEND"
+GPU_BACKENDS = ("triton", "flashinfer")
+
+
+def gpu_backend_from_env(environ: Mapping[str, str] = os.environ) -> str:
+    """``$SGLANG_DFLASH_TEST_GPU_BACKEND``: ``triton`` (default, float32) or ``flashinfer`` (bf16)."""
+    value = environ.get(GPU_BACKEND_ENV_VAR, "") or "triton"
+    if value not in GPU_BACKENDS:
+        raise ValueError(f"{GPU_BACKEND_ENV_VAR}={value!r} is not a test GPU backend; use one of {GPU_BACKENDS}")
+    return value
+
+
+# The attention backend of every GPU server of this test run.
+GPU_BACKEND = gpu_backend_from_env()
+
 # Flags every GPU server gets unless ``extra_args`` names the same option.
-#   --attention-backend flashinfer: what the benchmarks serve with; fp16/bf16 only (see server_dtype).
+#   --attention-backend GPU_BACKEND (see the module docstring).
 #   CUDA graphs stay ON for decode and DFLASH verify (no --disable-cuda-graph), up to batch 32;
 #       --disable-prefill-cuda-graph: prefill runs eagerly (as in benchmarks/bench_dflash.py).
 #   --mem-fraction-static 0.12 + --max-total-tokens: several servers of the suite run on one GPU at once.
 #       SGLang 0.5.17 leaves (1 - 0.12) of the memory free at the process's start to others, and the
-#       token cap keeps each KV pool small (SmolLM2-135M: 16384 tokens ~ 0.4 GB).
+#       token cap keeps each KV pool small (SmolLM2-135M: 16384 tokens ~ 0.8 GB in float32).
 #   --sleep-on-idle: as on CPU.
 CUDA_SERVER_ARGS: dict[str, str | None] = {
     "--device": "cuda",
-    "--attention-backend": "flashinfer",
+    "--attention-backend": GPU_BACKEND,
     "--mem-fraction-static": "0.12",
     "--max-total-tokens": "16384",
     "--cuda-graph-max-bs": "32",
@@ -92,7 +110,13 @@ CUDA_SERVER_ARGS: dict[str, str | None] = {
     "--sleep-on-idle": None,
 }
 
-SERVER_ARGS: dict[str, dict[str, str | None]] = {"cpu": CPU_SERVER_ARGS, "cuda": CUDA_SERVER_ARGS}
+
+
+def server_args(device: str, gpu_backend: str | None = None) -> dict[str, str | None]:
+    """Default flags of a server on ``device``; on ``cuda`` with ``gpu_backend`` (default ``GPU_BACKEND``)."""
+    if device == "cpu":
+        return CPU_SERVER_ARGS
+    return {**CUDA_SERVER_ARGS, "--attention-backend": _gpu_backend(gpu_backend)}
 
 # The two crash-dump switches stop the server from sleeping 5 s + 60 s (py-spy / CUDA core dump) after a
 # scheduler crash before it exits.
@@ -104,10 +128,11 @@ _COMMON_SERVER_ENV: dict[str, str] = {
 }
 # SGLANG_USE_CPU_ENGINE selects the CPU platform.
 CPU_SERVER_ENV: dict[str, str] = {"SGLANG_USE_CPU_ENGINE": "1", **_COMMON_SERVER_ENV}
-CUDA_SERVER_ENV: dict[str, str] = dict(_COMMON_SERVER_ENV)
+# TRITON_F32_DEFAULT=ieee: Triton's tl.dot on float32 inputs otherwise rounds them to TF32.
+CUDA_SERVER_ENV: dict[str, str] = {**_COMMON_SERVER_ENV, "TRITON_F32_DEFAULT": "ieee"}
 
-# --dtype values a GPU server serves differently: flashinfer has no float32 kernels.
-CUDA_DTYPES: dict[str, str] = {"float32": "bfloat16", "float": "bfloat16"}
+# --dtype values a GPU server serves differently, per GPU backend: flashinfer has no float32 kernels.
+CUDA_DTYPES: dict[str, dict[str, str]] = {"triton": {}, "flashinfer": {"float32": "bfloat16", "float": "bfloat16"}}
 
 # Seconds a server gets to answer /health_generate (GPU: CUDA graph capture + JIT on first start).
 STARTUP_TIMEOUTS: dict[str, float] = {"cpu": 300.0, "cuda": 420.0}
@@ -155,43 +180,51 @@ def _device(device: str | None) -> str:
     return device
 
 
-def server_dtype(dtype: str, device: str | None = None) -> str:
+def _gpu_backend(gpu_backend: str | None) -> str:
+    if gpu_backend is None:
+        return GPU_BACKEND
+    if gpu_backend not in GPU_BACKENDS:
+        raise ValueError(f"GPU backend {gpu_backend!r} is not one of {GPU_BACKENDS}")
+    return gpu_backend
+
+
+def server_dtype(dtype: str, device: str | None = None, gpu_backend: str | None = None) -> str:
     """The ``--dtype`` a server on ``device`` (default ``DEVICE``) runs when a test asks for ``dtype``.
 
-    The only place a test's dtype is changed: on ``cuda`` float32 becomes bfloat16 (flashinfer is fp16/bf16
-    only); on ``cpu`` every dtype is kept.
+    The only place a test's dtype is changed: on ``cuda`` with the flashinfer backend float32 becomes bfloat16
+    (flashinfer is fp16/bf16 only); otherwise every dtype is kept.
     """
-    return CUDA_DTYPES.get(dtype, dtype) if _device(device) == "cuda" else dtype
+    return CUDA_DTYPES[_gpu_backend(gpu_backend)].get(dtype, dtype) if _device(device) == "cuda" else dtype
 
 
-def _map_dtype(args: list[str], device: str) -> list[str]:
+def _map_dtype(args: list[str], device: str, gpu_backend: str | None) -> list[str]:
     out, i = [], 0
     while i < len(args):
         a = args[i]
         if a == "--dtype" and i + 1 < len(args):
-            out += [a, server_dtype(args[i + 1], device)]
+            out += [a, server_dtype(args[i + 1], device, gpu_backend)]
             i += 2
             continue
         if a.startswith("--dtype="):
-            a = "--dtype=" + server_dtype(a.split("=", 1)[1], device)
+            a = "--dtype=" + server_dtype(a.split("=", 1)[1], device, gpu_backend)
         out.append(a)
         i += 1
     return out
 
 
 def server_command(model_path: str | os.PathLike, port: int, extra_args: Sequence[str] = (),
-                   device: str | None = None) -> list[str]:
-    """argv of a server on ``device`` (default ``DEVICE``): that device's ``SERVER_ARGS`` minus any option
+                   device: str | None = None, gpu_backend: str | None = None) -> list[str]:
+    """argv of a server on ``device`` (default ``DEVICE``): that device's :func:`server_args` minus any option
     ``extra_args`` repeats, then ``extra_args`` (its ``--dtype`` through :func:`server_dtype`)."""
     device = _device(device)
-    extra_args = _map_dtype([str(a) for a in extra_args], device)
+    extra_args = _map_dtype([str(a) for a in extra_args], device, gpu_backend)
     overridden = _option_names(extra_args)
     for reserved in ("--model-path", "--port", "--host"):
         if reserved in overridden:
             raise ValueError(f"{reserved} is set by launch_server; pass model_path instead of {reserved}")
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
            "--host", "127.0.0.1", "--port", str(port)]
-    for name, value in SERVER_ARGS[device].items():
+    for name, value in server_args(device, gpu_backend).items():
         if name not in overridden:
             cmd += [name] if value is None else [name, value]
     return cmd + extra_args
