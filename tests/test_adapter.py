@@ -170,3 +170,35 @@ def test_sync_free_plans_switch_only_captured_single_wrapper_fa2_plans():
     sliding = SimpleNamespace(num_wrappers=2, prefill_cuda_graph_metadata={1: [wrapper(), wrapper()]})
     assert sync_free_plans(sliding) == 0
     assert all(w.begin_forward == "plan" for w in sliding.prefill_cuda_graph_metadata[1])
+
+
+def test_padded_rows_picks_the_smallest_captured_size():
+    from sglang_dflash.adapter.commit_graphs import padded_rows
+
+    rows = [16, 32, 64]
+    assert [padded_rows(n, rows) for n in (1, 16, 17, 33, 64, 65)] == [16, 16, 32, 64, 64, None]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_commit_graphs_replay_equals_eager_and_pads_to_the_padding_slot():
+    from sglang_dflash.adapter.commit_graphs import CommitGraphs
+
+    dev, width, block = torch.device("cuda"), 12, 4
+    weight = torch.randn(width, 6, device=dev)
+    cache = torch.zeros(200, 6, device=dev)
+
+    def commit(aux, positions, cache_loc):
+        cache.index_copy_(0, cache_loc, aux @ weight + positions[:, None].float())
+
+    graphs = CommitGraphs(commit, [1, 2, 4], block, width, torch.float32, torch.int64, dev)
+    assert sorted(graphs.graphs) == [4, 8, 16]
+    for n in (4, 5, 12, 16, 23):  # exact, padded (5 -> 8, 12 -> 16), eager beyond the largest capture (23)
+        aux, positions = torch.randn(n, width, device=dev), torch.arange(n, device=dev) + 7
+        loc = torch.randperm(199, device=dev)[:n] + 1  # real slots are >= 1
+        cache.zero_()
+        graphs(aux, positions, loc)
+        got = cache.clone()
+        cache.zero_()
+        commit(aux, positions, loc)
+        torch.testing.assert_close(got[1:], cache[1:])  # slot 0 takes the padded rows
+        assert int((got[1:].abs().sum(1) > 0).sum()) == n

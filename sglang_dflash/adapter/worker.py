@@ -14,7 +14,8 @@ One decode step, one method per phase:
   accept kernel packs `accept_lens`, `bonus_tokens`, committed tokens, new `seq_lens`.
 * commit_kv: the draft's context K/V for the block tokens, from the target hidden
   states captured during verify, written at the verify slots (rows past the commit
-  point are overwritten by the next block before anything reads them).
+  point are overwritten by the next block before anything reads them); replayed from
+  CUDA graphs on GPU (`commit_graphs`).
 
 Prefill is the target's own extend with hidden-state capture, followed by
 `commit_kv` for the prompt tokens.
@@ -39,6 +40,7 @@ from sglang.srt.speculative.draft_worker_common import draft_server_args_overrid
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask
 
+from sglang_dflash.adapter.commit_graphs import CommitGraphs
 from sglang_dflash.adapter.draft_model import SGLangDFlashDraft
 from sglang_dflash.adapter.profiling import PhaseTimer
 from sglang_dflash.adapter.spec_inputs import DFlashBlockInput, DFlashDraftState
@@ -88,6 +90,7 @@ class DFlashWorker(BaseSpecWorker):
         self.draft_model: SGLangDFlashDraft = self.draft_runner.model
         self.timer = PhaseTimer.from_env(self.device)
         self.output_counts = None  # OutputCounts for the penalties, made at the first penalized step (logits width)
+        self.commit_block_kv = self.commit_kv  # CommitGraphs once the CUDA graphs are captured (init_cuda_graphs)
         logger.info(
             "DFLASH served by sglang-dflash (block_size=%d, target_layer_ids=%s, mask_token_id=%d, "
             "attention_backend=%s)",
@@ -111,9 +114,18 @@ class DFlashWorker(BaseSpecWorker):
 
     # ---- SGLang worker plumbing -------------------------------------------------------
     def init_cuda_graphs(self):
-        """Capture the draft's graphs (the target's are captured by its own worker first); on FlashInfer, make
-        the captured verify-shaped graphs of both runners plan without a host sync (see `sync_free_plans`)."""
+        """Capture the draft's graphs (the target's are captured by its own worker first) and the decode step's
+        commit_kv for the same batch sizes; on FlashInfer, make the captured verify-shaped graphs of both runners
+        plan without a host sync (see `sync_free_plans`)."""
         super().init_cuda_graphs()
+        graph_runner = self.draft_runner.decode_cuda_graph_runner
+        if graph_runner is None or not str(self.device).startswith("cuda"):
+            return
+        hidden = self.target_runner.model_config.hf_text_config.hidden_size
+        self.commit_block_kv = CommitGraphs(
+            self.commit_kv, graph_runner.capture_bs, self.block_size, len(self.dcfg.target_layer_ids) * hidden,
+            self.embed.weight.dtype, torch.int64, self.device)  # out_cache_loc from build_block is int64
+        logger.info("sglang-dflash: commit_kv captured for batch sizes %s", list(graph_runner.capture_bs))
         if self.backend == "flashinfer":
             n = sum(sync_free_plans(runner.attn_backend) for runner in (self.target_runner, self.draft_runner))
             logger.info("sglang-dflash: %d captured verify/draft graph wrappers plan without a host sync", n)
@@ -148,7 +160,7 @@ class DFlashWorker(BaseSpecWorker):
         with t("accept"):
             accept_lens, bonus, committed, new_seq_lens = self.accept(batch, draft_tokens, logits_output)
         with t("commit_kv"):
-            self.commit_kv(logits_output.hidden_states, block.positions, block.out_cache_loc)
+            self.commit_block_kv(logits_output.hidden_states, block.positions, block.out_cache_loc)
         if batch.return_logprob:
             self.attach_logprobs(batch, logits_output, committed)
         self.timer.end_step()
