@@ -118,9 +118,9 @@ class DFlashWorker(BaseSpecWorker):
         commit_kv for the same batch sizes; on FlashInfer, make the captured verify-shaped graphs of both runners
         plan without a host sync (see `sync_free_plans`)."""
         super().init_cuda_graphs()
-        graph_runner = self.draft_runner.decode_cuda_graph_runner
-        if graph_runner is None or not str(self.device).startswith("cuda"):
+        if not str(self.device).startswith("cuda") or self.draft_runner.decode_cuda_graph_runner is None:
             return
+        graph_runner = self.draft_runner.decode_cuda_graph_runner
         hidden = self.target_runner.model_config.hf_text_config.hidden_size
         self.commit_block_kv = CommitGraphs(
             self.commit_kv, graph_runner.capture_bs, self.block_size, len(self.dcfg.target_layer_ids) * hidden,
