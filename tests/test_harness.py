@@ -2,8 +2,8 @@
 reproduce transformers' greedy tokens exactly, alone and under concurrent load.
 
 Runs in the harness's device mode (``SGLANG_DFLASH_TEST_DEVICE``, see ``harness/server.py``). In GPU mode the
-server serves float32 with triton attention (bfloat16 with ``SGLANG_DFLASH_TEST_GPU_BACKEND=flashinfer``) and
-the transformers reference runs in the same dtype on the GPU; the tiny model's head_dim is 64 there (flashinfer's
+server serves bfloat16 (flashinfer, or triton with ``SGLANG_DFLASH_TEST_GPU_BACKEND=triton``) and the
+transformers reference runs in bfloat16 on the GPU too; the tiny model's head_dim is 64 there (flashinfer's
 attention kernels are built for head_dim 64/128/256, not 16).
 The argv/env tests at the end build both modes' server commands without starting anything.
 """
@@ -63,7 +63,7 @@ def tiny_dir(tmp_path_factory):
 def hf_model(tiny_dir):
     from transformers import AutoModelForCausalLM
 
-    # The server's dtype and device (float32; bfloat16 on the GPU with the flashinfer backend).
+    # The server's dtype and device (float32 on CPU; bfloat16 on the GPU in GPU mode).
     dtype = getattr(torch, server_dtype("float32"))
     return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=dtype).to(DEVICE).eval()
 
@@ -239,24 +239,27 @@ def test_cpu_server_command_and_env():
 
 
 def test_gpu_backend_switch_values():
-    assert gpu_backend_from_env({}) == "triton"
-    assert gpu_backend_from_env({"SGLANG_DFLASH_TEST_GPU_BACKEND": "flashinfer"}) == "flashinfer"
+    assert gpu_backend_from_env({}) == "flashinfer"
+    assert gpu_backend_from_env({"SGLANG_DFLASH_TEST_GPU_BACKEND": "triton"}) == "triton"
     with pytest.raises(ValueError, match="SGLANG_DFLASH_TEST_GPU_BACKEND='fa3' is not a test GPU backend"):
         gpu_backend_from_env({"SGLANG_DFLASH_TEST_GPU_BACKEND": "fa3"})
     with pytest.raises(ValueError, match="not one of"):
         server_command("/m", 1234, device="cuda", gpu_backend="fa3")
 
 
-@pytest.mark.parametrize("backend, dtype", [("triton", "float32"), ("flashinfer", "bfloat16")])
-def test_cuda_server_command_and_env(monkeypatch, backend, dtype):
+@pytest.mark.parametrize("backend", ["flashinfer", "triton"])
+def test_cuda_server_command_and_env(monkeypatch, backend):
+    dtype = "bfloat16"
     cmd = server_command("/m", 1234, ["--dtype", "float32", "--decode-log-interval", "1"], device="cuda",
-                         gpu_backend=backend)
+                         gpu_backend=backend, deterministic=False)
     assert cmd == [
         *PREFIX, "--device", "cuda", "--attention-backend", backend, "--mem-fraction-static", "0.12",
         "--max-total-tokens", "16384", "--cuda-graph-max-bs", "32", "--disable-prefill-cuda-graph",
         "--sleep-on-idle", "--dtype", dtype, "--decode-log-interval", "1"]
     # CUDA graphs for decode / verify stay on: nothing disables them
     assert not {"--disable-cuda-graph", "--disable-decode-cuda-graph", "--cuda-graph-backend-decode"} & set(cmd)
+    det = server_command("/m", 1234, [], device="cuda", gpu_backend=backend, deterministic=True)
+    assert det == cmd[:-4] + ["--enable-deterministic-inference"]
     assert server_command("/m", 1234, ["--dtype=float32"], device="cuda", gpu_backend=backend)[-1] == f"--dtype={dtype}"
     assert server_command("/m", 1234, ["--dtype", "float16"], device="cuda",
                           gpu_backend=backend)[-2:] == ["--dtype", "float16"]
@@ -273,7 +276,6 @@ def test_cuda_server_command_and_env(monkeypatch, backend, dtype):
     assert env["PYTHONPATH"].split(os.pathsep) == ["/opt/sglang", "/opt/site"]
     assert "SGLANG_USE_CPU_ENGINE" not in env
     assert env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "0" and env["HF_HUB_OFFLINE"] == "1"
-    assert env["TRITON_F32_DEFAULT"] == "ieee"  # float32 tl.dot without TF32 rounding
     assert env["OMP_NUM_THREADS"] == "1"
     monkeypatch.delenv("PYTHONPATH")
     assert "PYTHONPATH" not in server_env(device="cuda")

@@ -8,13 +8,14 @@ overlap scheduler is CUDA-only (``FutureMap`` calls ``Tensor.record_stream``): p
 ``--disable-overlap-schedule`` unless the algorithm turns it off itself.
 
 GPU mode (``SGLANG_DFLASH_TEST_DEVICE=cuda``): the server gets ``CUDA_SERVER_ARGS`` (``--device cuda``, the
-attention backend ``$SGLANG_DFLASH_TEST_GPU_BACKEND``, CUDA graphs for decode/verify ON, prefill CUDA graph off,
-a small KV pool so the suite's servers share one GPU), no ``sitecustomize`` and no ``SGLANG_USE_CPU_ENGINE``.
-The backend is ``triton`` by default: it runs float32, and with ``TRITON_F32_DEFAULT=ieee`` (no TF32 inside the
-attention kernels) the exact-identity comparisons (DFLASH vs no-spec, server vs transformers) hold on the GPU
-as on CPU. ``SGLANG_DFLASH_TEST_GPU_BACKEND=flashinfer`` serves what the benchmarks serve; flashinfer runs only
-fp16/bf16, so a test's ``--dtype float32`` is then served as ``bfloat16`` (:func:`server_dtype`, the one place
-that maps it), where the identity comparisons may legitimately differ; they are not relaxed. Servers get
+attention backend ``$SGLANG_DFLASH_TEST_GPU_BACKEND`` -- ``flashinfer`` by default, what the benchmarks serve,
+or ``triton`` --, CUDA graphs for decode/verify ON, prefill CUDA graph off, a small KV pool so the suite's
+servers share one GPU), no ``sitecustomize`` and no ``SGLANG_USE_CPU_ENGINE``. SGLang's CUDA kernels (RMSNorm
+among them) run only fp16/bf16, so a test's ``--dtype float32`` is served as ``bfloat16`` (:func:`server_dtype`,
+the one place that maps it): the exact-identity comparisons (DFLASH vs no-spec, server vs transformers) then run
+in bf16, where the 1-token decode and the multi-token verify forward round differently and may legitimately
+differ; they are not relaxed. ``SGLANG_DFLASH_TEST_GPU_DETERMINISTIC=1`` adds SGLang's
+``--enable-deterministic-inference`` (batch-invariant matmuls and norms, fixed attention splits). Servers get
 ``STARTUP_TIMEOUT`` (420 s) to start (first start captures CUDA graphs and JIT-compiles kernels). Nothing here
 needs the repo's ``.venv`` or the network; sglang and sglang-dflash (with its ``sglang.srt.plugins`` entry
 point, i.e. installed, e.g. a wheel on PYTHONPATH) must be importable from the test process's PYTHONPATH,
@@ -78,19 +79,21 @@ CPU_SERVER_ARGS: dict[str, str | None] = {
 }
 
 GPU_BACKEND_ENV_VAR = "SGLANG_DFLASH_TEST_GPU_BACKEND"
-GPU_BACKENDS = ("triton", "flashinfer")
+GPU_BACKENDS = ("flashinfer", "triton")
+GPU_DETERMINISTIC_ENV_VAR = "SGLANG_DFLASH_TEST_GPU_DETERMINISTIC"
 
 
 def gpu_backend_from_env(environ: Mapping[str, str] = os.environ) -> str:
-    """``$SGLANG_DFLASH_TEST_GPU_BACKEND``: ``triton`` (default, float32) or ``flashinfer`` (bf16)."""
-    value = environ.get(GPU_BACKEND_ENV_VAR, "") or "triton"
+    """``$SGLANG_DFLASH_TEST_GPU_BACKEND``: ``flashinfer`` (default) or ``triton``."""
+    value = environ.get(GPU_BACKEND_ENV_VAR, "") or "flashinfer"
     if value not in GPU_BACKENDS:
         raise ValueError(f"{GPU_BACKEND_ENV_VAR}={value!r} is not a test GPU backend; use one of {GPU_BACKENDS}")
     return value
 
 
-# The attention backend of every GPU server of this test run.
+# The attention backend of every GPU server of this test run, and whether they run deterministic inference.
 GPU_BACKEND = gpu_backend_from_env()
+GPU_DETERMINISTIC = os.environ.get(GPU_DETERMINISTIC_ENV_VAR, "0") == "1"
 
 # Flags every GPU server gets unless ``extra_args`` names the same option.
 #   --attention-backend GPU_BACKEND (see the module docstring).
@@ -98,7 +101,7 @@ GPU_BACKEND = gpu_backend_from_env()
 #       --disable-prefill-cuda-graph: prefill runs eagerly (as in benchmarks/bench_dflash.py).
 #   --mem-fraction-static 0.12 + --max-total-tokens: several servers of the suite run on one GPU at once.
 #       SGLang 0.5.17 leaves (1 - 0.12) of the memory free at the process's start to others, and the
-#       token cap keeps each KV pool small (SmolLM2-135M: 16384 tokens ~ 0.8 GB in float32).
+#       token cap keeps each KV pool small (SmolLM2-135M: 16384 tokens ~ 0.4 GB).
 #   --sleep-on-idle: as on CPU.
 CUDA_SERVER_ARGS: dict[str, str | None] = {
     "--device": "cuda",
@@ -112,11 +115,15 @@ CUDA_SERVER_ARGS: dict[str, str | None] = {
 
 
 
-def server_args(device: str, gpu_backend: str | None = None) -> dict[str, str | None]:
-    """Default flags of a server on ``device``; on ``cuda`` with ``gpu_backend`` (default ``GPU_BACKEND``)."""
+def server_args(device: str, gpu_backend: str | None = None, deterministic: bool | None = None
+                ) -> dict[str, str | None]:
+    """Default flags of a server on ``device``; on ``cuda`` with ``gpu_backend`` (default ``GPU_BACKEND``) and
+    SGLang's deterministic inference when ``deterministic`` (default ``GPU_DETERMINISTIC``)."""
     if device == "cpu":
         return CPU_SERVER_ARGS
-    return {**CUDA_SERVER_ARGS, "--attention-backend": _gpu_backend(gpu_backend)}
+    deterministic = GPU_DETERMINISTIC if deterministic is None else deterministic
+    return {**CUDA_SERVER_ARGS, "--attention-backend": _gpu_backend(gpu_backend),
+            **({"--enable-deterministic-inference": None} if deterministic else {})}
 
 # The two crash-dump switches stop the server from sleeping 5 s + 60 s (py-spy / CUDA core dump) after a
 # scheduler crash before it exits.
@@ -128,11 +135,10 @@ _COMMON_SERVER_ENV: dict[str, str] = {
 }
 # SGLANG_USE_CPU_ENGINE selects the CPU platform.
 CPU_SERVER_ENV: dict[str, str] = {"SGLANG_USE_CPU_ENGINE": "1", **_COMMON_SERVER_ENV}
-# TRITON_F32_DEFAULT=ieee: Triton's tl.dot on float32 inputs otherwise rounds them to TF32.
-CUDA_SERVER_ENV: dict[str, str] = {**_COMMON_SERVER_ENV, "TRITON_F32_DEFAULT": "ieee"}
+CUDA_SERVER_ENV: dict[str, str] = dict(_COMMON_SERVER_ENV)
 
-# --dtype values a GPU server serves differently, per GPU backend: flashinfer has no float32 kernels.
-CUDA_DTYPES: dict[str, dict[str, str]] = {"triton": {}, "flashinfer": {"float32": "bfloat16", "float": "bfloat16"}}
+# --dtype values a GPU server serves differently: SGLang's CUDA RMSNorm and flashinfer have no float32 kernels.
+CUDA_DTYPES: dict[str, str] = {"float32": "bfloat16", "float": "bfloat16"}
 
 # Seconds a server gets to answer /health_generate (GPU: CUDA graph capture + JIT on first start).
 STARTUP_TIMEOUTS: dict[str, float] = {"cpu": 300.0, "cuda": 420.0}
@@ -191,10 +197,11 @@ def _gpu_backend(gpu_backend: str | None) -> str:
 def server_dtype(dtype: str, device: str | None = None, gpu_backend: str | None = None) -> str:
     """The ``--dtype`` a server on ``device`` (default ``DEVICE``) runs when a test asks for ``dtype``.
 
-    The only place a test's dtype is changed: on ``cuda`` with the flashinfer backend float32 becomes bfloat16
-    (flashinfer is fp16/bf16 only); otherwise every dtype is kept.
+    The only place a test's dtype is changed: on ``cuda`` float32 becomes bfloat16 (SGLang's CUDA kernels are
+    fp16/bf16 only; every GPU backend alike); on ``cpu`` every dtype is kept.
     """
-    return CUDA_DTYPES[_gpu_backend(gpu_backend)].get(dtype, dtype) if _device(device) == "cuda" else dtype
+    _gpu_backend(gpu_backend)
+    return CUDA_DTYPES.get(dtype, dtype) if _device(device) == "cuda" else dtype
 
 
 def _map_dtype(args: list[str], device: str, gpu_backend: str | None) -> list[str]:
@@ -213,7 +220,8 @@ def _map_dtype(args: list[str], device: str, gpu_backend: str | None) -> list[st
 
 
 def server_command(model_path: str | os.PathLike, port: int, extra_args: Sequence[str] = (),
-                   device: str | None = None, gpu_backend: str | None = None) -> list[str]:
+                   device: str | None = None, gpu_backend: str | None = None,
+                   deterministic: bool | None = None) -> list[str]:
     """argv of a server on ``device`` (default ``DEVICE``): that device's :func:`server_args` minus any option
     ``extra_args`` repeats, then ``extra_args`` (its ``--dtype`` through :func:`server_dtype`)."""
     device = _device(device)
@@ -224,7 +232,7 @@ def server_command(model_path: str | os.PathLike, port: int, extra_args: Sequenc
             raise ValueError(f"{reserved} is set by launch_server; pass model_path instead of {reserved}")
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
            "--host", "127.0.0.1", "--port", str(port)]
-    for name, value in server_args(device, gpu_backend).items():
+    for name, value in server_args(device, gpu_backend, deterministic).items():
         if name not in overridden:
             cmd += [name] if value is None else [name, value]
     return cmd + extra_args
