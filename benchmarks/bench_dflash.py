@@ -11,7 +11,10 @@ GPU memory; idle servers sleep), then each is driven alone with SGLang's own loa
 * bound_accept_none: the real target with a random drafter (nothing accepted).
 
 At temperature 0 the benchmark checks that all servers of a workload produce identical tokens.
-Writes `<out>/results.json`, `<out>/throughput.png`, server logs, and prints a table last.
+Every cell (server x temperature x concurrency) runs `--repeats` times, the passes interleaved over all cells
+so that a slow spell of the machine hits every server alike; the table reports the median pass and the spread
+of ours ((max - min) / median). Writes `<out>/results.json` (every pass and the medians), `<out>/throughput.png`,
+server logs, and prints a table last.
 
     python benchmarks/bench_dflash.py --target T --draft D --out results/
 """
@@ -184,6 +187,7 @@ def main():
     ap.add_argument("--workloads", default="real,bound_accept_all,bound_accept_none")
     ap.add_argument("--impls", default="nospec,builtin,ours")
     ap.add_argument("--profile", action="store_true", help="extra sglang-dflash server with per-phase timing")
+    ap.add_argument("--repeats", type=int, default=3, help="passes per cell (median reported)")
     ap.add_argument("--startup-timeout", type=float, default=480)
     ap.add_argument("--server-flags", default=" ".join(SERVER_FLAGS), help="flags every server gets")
     args = ap.parse_args()
@@ -256,20 +260,18 @@ def main():
             if len(group) > 1:
                 results["identity"][w] = check_identical(group, check_ids, 64)
                 print(f"[bench] identity {w}: {results['identity'][w]}", flush=True)
-        for (w, impl), s in up.items():
-            for temp in temps:
-                if w != "real" and temp != 0:
-                    continue
-                for conc in concs:
-                    if impl == "ours_profiled" and conc not in (1, 16):
-                        continue
-                    r = bench_serving(s, target, dataset, conc, max(8, args.prompts_per_level * conc),
-                                      args.output_len, temp, out)
-                    r.update(workload=w, impl=impl, concurrency=conc, temperature=temp)
-                    results["runs"].append(r)
-                    print(f"[bench] {w:18s} {impl:14s} c={conc:3d} T={temp} -> "
-                          f"{r.get('output_throughput') or r.get('error', '')[:300]}", flush=True)
-                    (out / "results.json").write_text(json.dumps(results, indent=1))
+        cells = [(w, impl, s, temp, conc) for (w, impl), s in up.items() for temp in temps for conc in concs
+                 if (w == "real" or temp == 0) and (impl != "ours_profiled" or conc in (1, 16))]
+        passes = {cell[:2] + cell[3:]: [] for cell in cells}
+        for rep in range(args.repeats):
+            for w, impl, s, temp, conc in cells:
+                r = bench_serving(s, target, dataset, conc, max(8, args.prompts_per_level * conc),
+                                  args.output_len, temp, out)
+                passes[(w, impl, temp, conc)].append(r)
+                print(f"[bench] pass {rep + 1}/{args.repeats} {w:18s} {impl:14s} c={conc:3d} T={temp} -> "
+                      f"{r.get('output_throughput') or r.get('error', '')[:300]}", flush=True)
+            results["runs"] = [median_row(rows, w, impl, temp, conc) for (w, impl, temp, conc), rows in passes.items()]
+            (out / "results.json").write_text(json.dumps(results, indent=1))
     finally:
         for s in servers.values():
             s.stop()
@@ -280,27 +282,51 @@ def main():
     print_table(results)
 
 
+METRICS = ("output_throughput", "mean_tpot_ms", "median_tpot_ms", "mean_ttft_ms", "accept_length", "duration")
+
+
+def median_row(passes: list[dict], workload: str, impl: str, temperature: float, concurrency: int) -> dict:
+    """One cell: the median of each metric over its passes (failed passes excluded), the passes themselves, and
+    the throughput spread (max - min) / median."""
+    ok = [p for p in passes if p.get("output_throughput")]
+    row = {"workload": workload, "impl": impl, "concurrency": concurrency, "temperature": temperature,
+           "passes": passes, "num_ok": len(ok)}
+    if not ok:
+        row["error"] = passes[-1].get("error", "no successful pass") if passes else "not run"
+        return row
+    for key in METRICS:
+        vals = sorted(p[key] for p in ok if p.get(key) is not None)
+        if vals:
+            mid = len(vals) // 2
+            row[key] = vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+    tputs = [p["output_throughput"] for p in ok]
+    row["spread"] = (max(tputs) - min(tputs)) / row["output_throughput"]
+    return row
+
+
 def _tput(results, w, impl, conc, temp):
     for r in results["runs"]:
         if (r["workload"], r["impl"], r["concurrency"], r["temperature"]) == (w, impl, conc, temp):
-            return r.get("output_throughput"), r.get("accept_length"), r.get("mean_tpot_ms")
-    return None, None, None
+            return r.get("output_throughput"), r.get("accept_length"), r.get("mean_tpot_ms"), r.get("spread")
+    return None, None, None, None
 
 
 def print_table(results) -> None:
     rows = sorted({(r["workload"], r["temperature"], r["concurrency"]) for r in results["runs"]})
-    print("\n| workload | T | conc | no-spec tok/s | built-in tok/s (τ) | ours tok/s (τ) | ours/no-spec | ours/built-in | ours TPOT ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"\nmedian of {results['args']['repeats']} passes per cell; spread = (max - min) / median of ours")
+    print("| workload | T | conc | no-spec tok/s | built-in tok/s (τ) | ours tok/s (τ) | ours/no-spec | ours/built-in | ours TPOT ms | spread |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for w, t, c in rows:
         ref_w = "real" if w == "bound_accept_none" else w
-        ns, _, _ = _tput(results, ref_w, "nospec", c, t)
-        bi, bi_tau, _ = _tput(results, w, "builtin", c, t)
-        ours, ours_tau, ours_tpot = _tput(results, w, "ours", c, t)
+        ns, _, _, _ = _tput(results, ref_w, "nospec", c, t)
+        bi, bi_tau, _, _ = _tput(results, w, "builtin", c, t)
+        ours, ours_tau, ours_tpot, spread = _tput(results, w, "ours", c, t)
         f = lambda x: "—" if x is None else f"{x:,.0f}"
         tau = lambda x: "" if x is None else f" ({x:.2f})"
         ratio = lambda a, b: "—" if not a or not b else f"{a / b:.2f}x"
         print(f"| {w} | {t:g} | {c} | {f(ns)} | {f(bi)}{tau(bi_tau)} | {f(ours)}{tau(ours_tau)} | "
-              f"{ratio(ours, ns)} | {ratio(ours, bi)} | {'—' if ours_tpot is None else f'{ours_tpot:.2f}'} |")
+              f"{ratio(ours, ns)} | {ratio(ours, bi)} | {'—' if ours_tpot is None else f'{ours_tpot:.2f}'} | "
+              f"{'—' if spread is None else f'{spread:.0%}'} |")
     if "phases" in results:
         print("\nsglang-dflash per-phase ms/step (synchronized):", json.dumps(results["phases"]["ms_per_step"]))
     print("identity at T=0:", {w: v["identical"] for w, v in results["identity"].items()})

@@ -1,0 +1,40 @@
+"""The serving benchmark's aggregation of repeated passes (the benchmark itself runs on a GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location(
+    "bench_dflash", Path(__file__).resolve().parent.parent / "benchmarks" / "bench_dflash.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def test_median_row_takes_the_median_of_successful_passes_and_their_spread():
+    passes = [{"output_throughput": 300.0, "mean_tpot_ms": 3.0, "accept_length": 1.9},
+              {"error": "RuntimeError: boom"},
+              {"output_throughput": 100.0, "mean_tpot_ms": 9.0, "accept_length": 1.7},
+              {"output_throughput": 200.0, "mean_tpot_ms": 5.0, "accept_length": 1.8}]
+    row = bench.median_row(passes, "real", "ours", 0.0, 16)
+    assert (row["workload"], row["impl"], row["temperature"], row["concurrency"]) == ("real", "ours", 0.0, 16)
+    assert row["num_ok"] == 3 and row["passes"] is passes
+    assert row["output_throughput"] == 200.0 and row["mean_tpot_ms"] == 5.0 and row["accept_length"] == 1.8
+    assert row["spread"] == pytest.approx(1.0)  # (300 - 100) / 200
+    even = bench.median_row(passes[2:] + passes[:1] + [{"output_throughput": 400.0}], "real", "ours", 0.0, 16)
+    assert even["output_throughput"] == 250.0  # mean of the two middle passes
+    failed = bench.median_row([{"error": "x"}], "real", "ours", 1.0, 4)
+    assert failed["num_ok"] == 0 and failed["error"] == "x" and "output_throughput" not in failed
+
+
+def test_table_reports_medians_and_spread(capsys):
+    results = {"args": {"repeats": 3}, "identity": {}, "runs": [
+        bench.median_row([{"output_throughput": v} for v in vals], "real", impl, 0.0, 1)
+        for impl, vals in (("nospec", [500.0, 520.0, 480.0]), ("builtin", [400.0, 380.0, 390.0]),
+                           ("ours", [450.0, 300.0, 600.0]))]}
+    bench.print_table(results)
+    out = capsys.readouterr().out
+    assert "median of 3 passes per cell" in out
+    assert "| real | 0 | 1 | 500 | 390 | 450 | 0.90x | 1.15x | — | 67% |" in out
