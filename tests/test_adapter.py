@@ -42,17 +42,19 @@ def _req(**sampling):
                            return_logprob=False, return_hidden_states=False)
 
 
-@pytest.mark.parametrize("field,text", [("custom_logit_processor", "custom logit processors"),
-                                        ("return_hidden_states", "return_hidden_states")])
-def test_unsupported_request_is_refused_with_its_name(field, text):
+def test_unsupported_request_is_refused_with_its_name():
     req = _req()
-    setattr(req, field, "<serialized processor>" if field == "custom_logit_processor" else True)
+    req.return_hidden_states = True
     msg = hooks.request_error(req)
-    assert msg.startswith("sglang-dflash:") and text in msg and "without --speculative-algorithm DFLASH" in msg
+    assert msg.startswith("sglang-dflash:") and "return_hidden_states" in msg
+    assert "without --speculative-algorithm DFLASH" in msg
 
 
 def test_plain_and_prompt_scoring_requests_are_served():
     assert hooks.request_error(_req()) is None
+    with_processor = _req()
+    with_processor.custom_logit_processor = "<serialized processor>"
+    assert hooks.request_error(with_processor) is None  # applied per block position
     assert hooks.request_error(_req(logit_bias={"3": 1.0}, min_new_tokens=4)) is None  # applied per block position
     assert hooks.request_error(_req(frequency_penalty=0.5, presence_penalty=-0.2, repetition_penalty=1.1)) is None
     for field, value in (("regex", "a+"), ("json_schema", "{}"), ("ebnf", 'root ::= "a"'), ("structural_tag", "{}")):
@@ -202,3 +204,22 @@ def test_commit_graphs_replay_equals_eager_and_pads_to_the_padding_slot():
         commit(aux, positions, loc)
         torch.testing.assert_close(got[1:], cache[1:])  # slot 0 takes the padded rows
         assert int((got[1:].abs().sum(1) > 0).sum()) == n
+
+
+def test_custom_params_after_drafts_show_them_as_output_without_touching_the_request():
+    from sglang_dflash.adapter.worker import _params_after
+
+    req = SimpleNamespace(origin_input_ids=[1, 2], output_ids=[7, 8], rid="r")
+    params = {"ngram_size": 2, "__req__": req}
+    assert _params_after(params, []) is params and _params_after(None, [3]) is None
+    assert _params_after({"token_ids": [5]}, [3]) == {"token_ids": [5]}  # no request to show
+    after = _params_after(params, [3, 4])
+    assert after["ngram_size"] == 2 and after["__req__"] is not req
+    assert after["__req__"].output_ids == [7, 8, 3, 4] and after["__req__"].origin_input_ids == [1, 2]
+    assert after["__req__"].rid == "r"
+    assert req.output_ids == [7, 8] and params["__req__"] is req
+    from array import array
+
+    packed = SimpleNamespace(origin_input_ids=array("q", [1]), output_ids=array("q", [7]))
+    after = _params_after({"__req__": packed}, [3])["__req__"]
+    assert after.origin_input_ids + after.output_ids == array("q", [1, 7, 3]) and packed.output_ids == array("q", [7])

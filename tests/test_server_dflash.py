@@ -95,9 +95,9 @@ def drafter(tmp_path_factory, target):
 def servers(target, drafter, tmp_path_factory):
     # no-spec without the overlap scheduler, as DFLASH runs: SGLang's overlap mode feeds the penalizers the
     # previous step's output (one token late), which would make penalized outputs differ for that reason alone.
-    specs = {"nospec": (target, [*SERVER_ARGS, "--disable-overlap-schedule"]),
-             # custom logit processors enabled so that the refusal of one reaches our request check
-             "dflash": (target, [*SERVER_ARGS, *dflash_args(drafter[0]), "--enable-custom-logit-processor"]),
+    processors = "--enable-custom-logit-processor"
+    specs = {"nospec": (target, [*SERVER_ARGS, "--disable-overlap-schedule", processors]),
+             "dflash": (target, [*SERVER_ARGS, *dflash_args(drafter[0]), processors]),
              # memory pressure + chunked prefill: SGLang retracts a running request every few forwards
              # (SGLANG_TEST_RETRACT) and prompts are prefilled in chunks of 64 tokens.
              "dflash_stress": (target, [*SERVER_ARGS, *dflash_args(drafter[0]), "--chunked-prefill-size", "64"],
@@ -546,7 +546,7 @@ def test_broken_draft_fails_startup(case, broken_startup_logs, target):
     assert expected in log, f"expected {expected!r} in the log of the failed start; tail:\n{tail}"
 
 
-# ----------------------------------------------------------------------------------------------- 7. refusals
+# ----------------------------------------------------------------------------------------------- 7. prompt scoring, custom logit processors
 
 
 def test_decode_logprobs_match_nospec(nospec, dflash, tokenizer):
@@ -571,29 +571,11 @@ def test_decode_logprobs_match_nospec(nospec, dflash, tokenizer):
     assert [lp for row in gi for lp, _, _ in row] == pytest.approx([lp for row in wi for lp, _, _ in row], abs=1e-3)
 
 
-def test_unsupported_request_refused_and_prompt_scoring_works(nospec, dflash, tokenizer, target):
-    import openai
-
+def test_prompt_scoring_matches_nospec(nospec, dflash, tokenizer):
+    """Prompt scoring (what sgl.select sends: max_new_tokens 0 with prompt logprobs) is the target's prefill."""
     from sglang_dflash import data
 
     ids = chat_ids(tokenizer, data.apply_chat(["Name a planet."], tokenizer))[0]
-    from sglang.srt.sampling.custom_logit_processor import DisallowedTokensLogitsProcessor
-
-    processor = DisallowedTokensLogitsProcessor.to_str()
-    message = "sglang-dflash: custom logit processors are not supported with DFLASH"
-    payload = {"input_ids": ids, "custom_logit_processor": processor,
-               "sampling_params": {"max_new_tokens": 8, "custom_params": {"token_ids": [ids[-1]]}}}
-    r = requests.post(f"{dflash.base_url}/generate", json=payload, timeout=120)
-    assert r.status_code == 400, (r.status_code, r.text[:500])
-    assert r.json()["error"]["message"].startswith(message), r.text[:500]
-
-    client = openai.OpenAI(base_url=f"{dflash.base_url}/v1", api_key="none")
-    with pytest.raises(openai.BadRequestError, match=message):
-        client.chat.completions.create(model=str(target), messages=[{"role": "user", "content": "Hi"}],
-                                       max_tokens=4, extra_body={"custom_logit_processor": processor,
-                                                                 "custom_params": {"token_ids": [ids[-1]]}})
-
-    # Prompt scoring (what sgl.select sends) is served, with the target's logprobs.
     score = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
              "logprob_start_len": 0}
     want, got = on_both(nospec, dflash, lambda s: s.post("/generate", score))
@@ -603,10 +585,46 @@ def test_unsupported_request_refused_and_prompt_scoring_works(nospec, dflash, to
     assert [lp for lp, _, _ in g[1:]] == pytest.approx([lp for lp, _, _ in w[1:]], abs=1e-3)
     assert got["output_ids"] == [] and got["meta_info"]["completion_tokens"] == 0
 
-    # The server still decodes correctly after the refusals.
-    greedy = {"temperature": 0.0, "max_new_tokens": 16}
-    want, got = on_both(nospec, dflash, lambda s: s.generate(ids, greedy))
-    assert got["output_ids"] == want["output_ids"]
+
+def _repeated_bigrams(sequence: list[int], start: int, window: int) -> list[int]:
+    """Positions p >= start whose bigram (s[p-1], s[p]) already began at an index in [p - window, p - 1)."""
+    return [p for p in range(max(start, 1), len(sequence))
+            if (sequence[p - 1], sequence[p]) in {(sequence[q], sequence[q + 1]) for q in range(max(0, p - window), p - 1)}]
+
+
+def test_custom_logit_processors_match_nospec(nospec, dflash, tokenizer, loader_prompts):
+    """SGLang custom logit processors, stateless (disallowed tokens) and history-dependent (no repeated bigram within a
+    window: at block position k it must count the drafts before k as output), give the no-spec greedy outputs; the
+    n-gram rule holds over each DFLASH reply, and each processor changes some replies."""
+    from sglang.srt.sampling.custom_logit_processor import (DeepseekOCRNoRepeatNGramLogitProcessor,
+                                                            DisallowedTokensLogitsProcessor)
+
+    prompts = [ids for name in loader_prompts for ids in loader_prompts[name][:3]]
+    greedy = {"temperature": 0.0, "max_new_tokens": 40}
+    common = tokenizer(" the, and.", add_special_tokens=False).input_ids
+    window = 256
+    variants = {
+        "plain": {},
+        "disallow": {"custom_logit_processor": DisallowedTokensLogitsProcessor.to_str(), "custom_params": {"token_ids": common}},
+        "no_repeat_bigram": {"custom_logit_processor": DeepseekOCRNoRepeatNGramLogitProcessor.to_str(),
+                             "custom_params": {"ngram_size": 2, "window_size": window}},
+    }
+    payloads = [{"input_ids": ids, "custom_logit_processor": v.get("custom_logit_processor"),
+                 "sampling_params": {**greedy, **({"custom_params": v["custom_params"]} if v else {})}}
+                for v in variants.values() for ids in prompts]
+    want, got = on_both(nospec, dflash, lambda s: generate_all(s, payloads))
+    n = len(prompts)
+    outs = {name: [o["output_ids"] for o in got[i * n:(i + 1) * n]] for i, name in enumerate(variants)}
+    bad = [f"{list(variants)[i // n]} prompt {i % n}: no-spec {w['output_ids'][:12]}... vs DFLASH {g['output_ids'][:12]}..."
+           for i, (w, g) in enumerate(zip(want, got)) if w["output_ids"] != g["output_ids"]]
+    assert not bad, "custom-processor outputs differ from no-spec:\n" + "\n".join(bad)
+    for name in ("disallow", "no_repeat_bigram"):
+        changed = sum(a != b for a, b in zip(outs["plain"], outs[name]))
+        assert changed >= n // 2, f"{name} changed only {changed}/{n} replies"
+    assert not any(t in common for out in outs["disallow"] for t in out)
+    for ids, out in zip(prompts, outs["no_repeat_bigram"]):
+        assert not _repeated_bigrams([*ids, *out], len(ids), window), out
+    assert any(_repeated_bigrams([*ids, *out], len(ids), window) for ids, out in zip(prompts, outs["plain"]))
 
 
 # ----------------------------------------------------------------------------------------------- 8. retraction, chunked prefill, abort

@@ -139,16 +139,15 @@ def _create_worker(original, algo, server_args):
 
 
 # Requests whose logits the verify step cannot reproduce are refused up front (with the reason) rather than
-# sampled from the wrong law. Served: penalties, logit_bias, min_new_tokens (DFlashWorker.adjust_logits) and
-# grammars (DFlashWorker.apply_grammar), each per block position.
+# sampled from the wrong law. Served: penalties, logit_bias, min_new_tokens (DFlashWorker.adjust_logits), grammars
+# (DFlashWorker.apply_grammar) and custom logit processors (DFlashWorker.apply_custom_processors), each per block
+# position.
 # return_logprob is served: prompt logprobs by the target's prefill, decode logprobs by DFlashWorker.attach_logprobs.
 
 
 def request_error(req) -> str | None:
     """Why sglang-dflash cannot serve `req` exactly (None when it can)."""
     fix = "Drop it, or serve without --speculative-algorithm DFLASH."
-    if getattr(req, "custom_logit_processor", None):
-        return f"sglang-dflash: custom logit processors are not supported with DFLASH yet. {fix}"
     if getattr(req, "return_hidden_states", False):
         return f"sglang-dflash: return_hidden_states is not supported with DFLASH. {fix}"
     return None

@@ -23,9 +23,9 @@ Prefill is the target's own extend with hidden-state capture, followed by
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
-from copy import deepcopy
 from functools import partial
 
 import torch
@@ -100,7 +100,7 @@ class DFlashWorker(BaseSpecWorker):
     def _build_draft_worker(self, server_args, gpu_id, ps, nccl_port) -> TpModelWorker:
         """A draft TpModelWorker whose model class is ours and whose KV pool shares slots."""
         ModelRegistry.models["DFlashDraftModel"] = SGLangDFlashDraft
-        draft_args = deepcopy(server_args)
+        draft_args = copy.deepcopy(server_args)
         draft_args.override(
             "sglang_dflash.draft_worker",
             **draft_server_args_overrides(self.target_runner.model_config, self.backend),
@@ -250,6 +250,8 @@ class DFlashWorker(BaseSpecWorker):
             self.apply_grammar(batch, draft_tokens, logits_output.next_token_logits)
         self.adjust_logits(batch, logits, draft_tokens)
         info = batch.sampling_info
+        if info.has_custom_logit_processor:
+            self.apply_custom_processors(info, draft_tokens, logits_output.next_token_logits)
         if info.is_all_greedy:
             target_tokens = logits.argmax(dim=-1)
         else:
@@ -310,6 +312,19 @@ class DFlashWorker(BaseSpecWorker):
             penalties = BlockPenalties(counts, draft_tokens, *params.to(self.device).unbind(1))  # one copy
         adjust_block_logits(logits, bias, stop_penalties, num_output, min_new, penalties)
 
+    def apply_custom_processors(self, info, draft_tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        """SGLang's custom logit processors (``--enable-custom-logit-processor``) on every block position, last, as
+        SGLang's sampler applies them. Row (i, k) gets request i's custom params; a processor that reads the request
+        (``__req__``) sees a shallow copy whose ``output_ids`` end with the drafts d_1..d_k, the history plain
+        decoding shows it at that position. draft_tokens ``[bs, B]``; logits ``[bs * B, V]`` in place."""
+        bs, B = draft_tokens.shape
+        drafts = draft_tokens[:, 1:].tolist()
+        for processor, mask in info.custom_logit_processor.values():
+            reqs = mask.nonzero(as_tuple=True)[0].tolist()
+            rows = torch.tensor([i * B + k for i in reqs for k in range(B)], device=logits.device)
+            params = [_params_after(info.custom_params[i], drafts[i][:k]) for i in reqs for k in range(B)]
+            logits[rows] = processor(logits[rows], params)
+
     def attach_logprobs(self, batch, logits_output, committed: torch.Tensor) -> None:
         """Decode logprobs of the committed tokens, as SGLang's sampler defines them: log_softmax of the
         temperature-scaled logits at each token's verify position. committed [bs, B] (-1 padded); the
@@ -368,6 +383,17 @@ class _Block:
 
     def __init__(self, input_ids, positions, out_cache_loc):
         self.input_ids, self.positions, self.out_cache_loc = input_ids, positions, out_cache_loc
+
+
+def _params_after(params: dict | None, drafts: list[int]) -> dict | None:
+    """A request's custom params at the block position after ``drafts``: ``__req__`` (SGLang's Req, which history-
+    dependent processors read) replaced by a shallow copy with the drafts appended to its output_ids."""
+    if not drafts or not params or params.get("__req__") is None:
+        return params
+    req = copy.copy(params["__req__"])
+    req.output_ids = copy.copy(req.output_ids)  # a list or an array('q'), as SGLang keeps it
+    req.output_ids.extend(drafts)
+    return {**params, "__req__": req}
 
 
 def _has_penalty(sp) -> bool:
