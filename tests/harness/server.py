@@ -54,12 +54,17 @@ DEVICE_ENV_VAR = "SGLANG_DFLASH_TEST_DEVICE"
 DEVICES = ("cpu", "cuda")
 
 
-def device_from_env(environ: Mapping[str, str] = os.environ) -> str:
-    """``$SGLANG_DFLASH_TEST_DEVICE``: ``cpu`` (default, also when empty) or ``cuda``; anything else raises."""
-    value = environ.get(DEVICE_ENV_VAR, "") or "cpu"
-    if value not in DEVICES:
-        raise ValueError(f"{DEVICE_ENV_VAR}={value!r} is not a test device; use 'cpu' (default) or 'cuda'")
+def _env_choice(environ: Mapping[str, str], name: str, choices: tuple[str, ...], what: str) -> str:
+    """``environ[name]`` if it is one of ``choices``; the first choice when unset or empty; anything else raises."""
+    value = environ.get(name, "") or choices[0]
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not a {what}; use one of {choices} (default {choices[0]!r})")
     return value
+
+
+def device_from_env(environ: Mapping[str, str] = os.environ) -> str:
+    """``$SGLANG_DFLASH_TEST_DEVICE``: ``cpu`` (default) or ``cuda``."""
+    return _env_choice(environ, DEVICE_ENV_VAR, DEVICES, "test device")
 
 
 # The device every server of this test run uses (the one switch; see the module docstring).
@@ -85,10 +90,7 @@ GPU_DETERMINISTIC_ENV_VAR = "SGLANG_DFLASH_TEST_GPU_DETERMINISTIC"
 
 def gpu_backend_from_env(environ: Mapping[str, str] = os.environ) -> str:
     """``$SGLANG_DFLASH_TEST_GPU_BACKEND``: ``flashinfer`` (default) or ``triton``."""
-    value = environ.get(GPU_BACKEND_ENV_VAR, "") or "flashinfer"
-    if value not in GPU_BACKENDS:
-        raise ValueError(f"{GPU_BACKEND_ENV_VAR}={value!r} is not a test GPU backend; use one of {GPU_BACKENDS}")
-    return value
+    return _env_choice(environ, GPU_BACKEND_ENV_VAR, GPU_BACKENDS, "test GPU backend")
 
 
 # The attention backend of every GPU server of this test run, and whether they run deterministic inference.
@@ -178,20 +180,21 @@ def _option_names(args: Sequence[str]) -> set[str]:
     return {a.split("=", 1)[0] for a in args if a.startswith("--")}
 
 
+def _given(value: str | None, default: str, choices: tuple[str, ...], what: str) -> str:
+    """``value`` checked against ``choices``, ``default`` when None."""
+    if value is None:
+        return default
+    if value not in choices:
+        raise ValueError(f"{what} {value!r} is not one of {choices}")
+    return value
+
+
 def _device(device: str | None) -> str:
-    if device is None:
-        return DEVICE
-    if device not in DEVICES:
-        raise ValueError(f"device {device!r} is not a test device; use one of {DEVICES}")
-    return device
+    return _given(device, DEVICE, DEVICES, "test device")
 
 
 def _gpu_backend(gpu_backend: str | None) -> str:
-    if gpu_backend is None:
-        return GPU_BACKEND
-    if gpu_backend not in GPU_BACKENDS:
-        raise ValueError(f"GPU backend {gpu_backend!r} is not one of {GPU_BACKENDS}")
-    return gpu_backend
+    return _given(gpu_backend, GPU_BACKEND, GPU_BACKENDS, "GPU backend")
 
 
 def server_dtype(dtype: str, device: str | None = None, gpu_backend: str | None = None) -> str:
