@@ -223,3 +223,27 @@ def test_custom_params_after_drafts_show_them_as_output_without_touching_the_req
     packed = SimpleNamespace(origin_input_ids=array("q", [1]), output_ids=array("q", [7]))
     after = _params_after({"__req__": packed}, [3])["__req__"]
     assert after.origin_input_ids + after.output_ids == array("q", [1, 7, 3]) and packed.output_ids == array("q", [7])
+
+
+def test_phase_timer_counts_only_gaps_between_back_to_back_decode_steps(tmp_path):
+    import json
+
+    from sglang_dflash.adapter.profiling import PhaseTimer
+
+    timer = PhaseTimer("cpu", str(tmp_path / "phases.json"))
+    for i in range(20):
+        phase = timer.start_step(batch_size=3)
+        with phase("draft"):
+            pass
+        timer.end_step()
+        if i in (4, 11):
+            timer.break_chain()  # a prefill ran before the next decode step
+    summary = json.loads((tmp_path / "phases.json").read_text())
+    assert summary["steps"] == 20 and summary["requests_stepped"] == 60
+    assert set(summary["ms_per_step"]) == {"draft", "scheduler"}
+    assert timer.totals["scheduler_steps"] == 17  # 19 gaps, two of them after a prefill
+    off = PhaseTimer("cpu", None)
+    with off.start_step(batch_size=1)("draft"):
+        pass
+    off.end_step()
+    assert off.steps == 0

@@ -3,9 +3,10 @@
 Off by default: `PhaseTimer.from_env` then returns a timer whose phases are no-op
 context managers. When on, each phase is bracketed by a device synchronize, so the
 numbers are exact per phase but the step runs without CUDA-graph-level overlap
-between phases; "scheduler" is the wall time between the end of one step and the
-start of the next (everything SGLang does outside the worker), averaged over
-back-to-back steps only (gaps over IDLE_GAP_S are idle time).
+between phases; "scheduler" is the wall time between the end of one decode step and
+the start of the next (everything SGLang does outside the worker), averaged over
+back-to-back decode steps only: a prefill or idle step in between (`break_chain`)
+or a gap over IDLE_GAP_S (the server waiting for requests) starts a new chain.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ class PhaseTimer:
         yield
         self.sync()
         self.totals[name] += time.perf_counter() - t0
+
+    def break_chain(self) -> None:
+        """A non-decode step ran: the next decode step's gap is not scheduler time."""
+        self._last_end = None
 
     def end_step(self) -> None:
         if self.path is None:

@@ -146,8 +146,10 @@ class DFlashWorker(BaseSpecWorker):
     # ---- the step ---------------------------------------------------------------------
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None) -> GenerationBatchResult:
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+            self.timer.break_chain()
             return self.prefill(batch)
         if batch.forward_mode.is_idle() or batch.batch_size() == 0:
+            self.timer.break_chain()
             return self.idle()
         state: DFlashDraftState = batch.spec_info
         t = self.timer.start_step(batch.batch_size())
@@ -317,7 +319,7 @@ class DFlashWorker(BaseSpecWorker):
         SGLang's sampler applies them. Row (i, k) gets request i's custom params; a processor that reads the request
         (``__req__``) sees a shallow copy whose ``output_ids`` end with the drafts d_1..d_k, the history plain
         decoding shows it at that position. draft_tokens ``[bs, B]``; logits ``[bs * B, V]`` in place."""
-        bs, B = draft_tokens.shape
+        B = draft_tokens.shape[1]
         drafts = draft_tokens[:, 1:].tolist()
         for processor, mask in info.custom_logit_processor.values():
             reqs = mask.nonzero(as_tuple=True)[0].tolist()
