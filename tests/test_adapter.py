@@ -247,3 +247,33 @@ def test_phase_timer_counts_only_gaps_between_back_to_back_decode_steps(tmp_path
         pass
     off.end_step()
     assert off.steps == 0
+
+
+def test_prepare_for_decode_reserves_two_blocks_past_the_committed_length(monkeypatch):
+    from sglang_dflash.adapter import spec_inputs
+
+    handed = []
+
+    def alloc(tree_cache, n):
+        start = 100 + sum(handed)
+        handed.append(n)
+        return torch.arange(start, start + n, dtype=torch.int64)
+
+    monkeypatch.setattr(spec_inputs, "alloc_token_slots", alloc)
+    B = 4
+    # (req_pool_idx, committed, allocated): needs 7, 0 (already 2 blocks ahead) and 3 more slots
+    specs = [(2, 5, 6), (0, 3, 20), (1, 9, 14)]
+    reqs = [SimpleNamespace(req_pool_idx=i, kv_committed_len=c, kv=SimpleNamespace(kv_allocated_len=a))
+            for i, c, a in specs]
+    req_to_token = torch.full((3, 32), -1, dtype=torch.int32)
+    batch = SimpleNamespace(reqs=reqs, batch_size=lambda: 3, tree_cache=None,
+                            req_to_token_pool=SimpleNamespace(req_to_token=req_to_token))
+    state = spec_inputs.DFlashDraftState(bonus_tokens=torch.zeros(3, dtype=torch.int64), block_size=B)
+    state.prepare_for_decode(batch)
+    assert handed == [10]
+    assert [r.kv.kv_allocated_len for r in reqs] == [13, 20, 17]
+    assert req_to_token[2, 6:13].tolist() == list(range(100, 107)) and req_to_token[2, 13] == -1
+    assert req_to_token[1, 14:17].tolist() == list(range(107, 110)) and req_to_token[1, 17] == -1
+    assert (req_to_token[0] == -1).all() and (req_to_token[2, :6] == -1).all()
+    assert batch.seq_lens_cpu.tolist() == [5, 3, 9] and batch.seq_lens_sum == 17
+    assert state.reserved_seq_lens_cpu.tolist() == [13, 20, 17]

@@ -47,12 +47,15 @@ class DFlashDraftState(SpecInput):
         committed = [int(r.kv_committed_len) for r in batch.reqs]
         allocated = [int(r.kv.kv_allocated_len) for r in batch.reqs]
         reserved = [max(a, c + 2 * self.block_size) for a, c in zip(allocated, committed)]
-        need = [n - a for n, a in zip(reserved, allocated)]
-        total = sum(need)
+        need = torch.tensor([n - a for n, a in zip(reserved, allocated)])
+        total = int(need.sum())
         if total > 0:
             slots = alloc_token_slots(batch.tree_cache, total)
-            rows = torch.repeat_interleave(batch.req_pool_indices.cpu().long(), torch.tensor(need))
-            cols = torch.cat([torch.arange(a, n) for a, n in zip(allocated, reserved)])
+            # rows/cols of req_to_token[req_pool_idx, allocated : reserved] for every request, built on the host
+            # from the requests' own indices (no device read) in a few vectorized ops
+            rows = torch.repeat_interleave(torch.tensor([r.req_pool_idx for r in batch.reqs]), need)
+            first = torch.repeat_interleave(torch.cumsum(need, 0) - need, need)
+            cols = torch.repeat_interleave(torch.tensor(allocated), need) + torch.arange(total) - first
             req_to_token = batch.req_to_token_pool.req_to_token
             req_to_token[rows.to(req_to_token.device), cols.to(req_to_token.device)] = slots.to(req_to_token.dtype)
         for req, n in zip(batch.reqs, reserved):
