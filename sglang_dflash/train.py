@@ -19,12 +19,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gzip
 import hashlib
 import json
 import math
 import os
 import random
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
@@ -103,6 +105,27 @@ def _prompt_key(text: str) -> str:
     return hashlib.sha1(text.encode("utf-8")).hexdigest()[:16]
 
 
+def _open_cache(path: Path, mode: str):
+    """The response cache as text: gzip-compressed when its name ends in ``.gz`` (appends add gzip members)."""
+    if path.suffix == ".gz":
+        return gzip.open(path, mode + "t", encoding="utf-8")
+    return open(path, mode, encoding="utf-8")
+
+
+def _read_cache(path: Path) -> tuple[dict[str, dict], bool]:
+    """(records by key, torn): reading stops at a record an interrupted run left incomplete."""
+    done: dict[str, dict] = {}
+    with _open_cache(path, "r") as f:
+        try:
+            for line in f:
+                if line.strip():
+                    rec = json.loads(line)
+                    done[rec["key"]] = rec
+        except (json.JSONDecodeError, EOFError, gzip.BadGzipFile, zlib.error):
+            return done, True
+    return done, False
+
+
 @torch.no_grad()
 def generate_responses(
     target,
@@ -128,6 +151,9 @@ def generate_responses(
 
     ``server_url``: send each batch to a running SGLang server of the same target (``POST /generate`` with
     ``input_ids``; much faster than ``target.generate``) instead of generating in-process.
+
+    A cache named ``*.gz`` is gzip-compressed (about a third of the size). A cache an interrupted run left with an
+    incomplete last record is rewritten with the complete ones before new records are appended.
     """
     from tqdm import tqdm
 
@@ -135,14 +161,10 @@ def generate_responses(
     cache_path.parent.mkdir(parents=True, exist_ok=True)
     done: dict[str, dict] = {}
     if cache_path.is_file():
-        with open(cache_path, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError:
-                        break  # torn final line of an interrupted run
-                    done[rec["key"]] = rec
+        done, torn = _read_cache(cache_path)
+        if torn:
+            with _open_cache(cache_path, "w") as f:
+                f.writelines(json.dumps(rec) + "\n" for rec in done.values())
     keys = [_prompt_key(p) for p in prompts]
     todo = []
     for key, text in zip(keys, prompts):
@@ -164,7 +186,7 @@ def generate_responses(
         torch.manual_seed(seed)  # sampling draws from the global generator
     bar = tqdm(total=len(todo), desc="generate", disable=not progress or not todo)
     t0 = time.time()
-    with open(cache_path, "a", encoding="utf-8") as out:
+    with _open_cache(cache_path, "a") as out:
         for start in range(0, len(todo), batch_size):
             if max_seconds is not None and time.time() - t0 > max_seconds:
                 break
@@ -593,7 +615,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--target", required=True, help="HF model dir/id, or 'smollm2' (converted SmolLM2-135M-Instruct)")
     p.add_argument("--prompts", default="sharegpt", help="'sharegpt' (eval sets excluded) or a JSON/JSONL file")
     p.add_argument("--out", required=True, help="output drafter directory (z-lab format)")
-    p.add_argument("--cache", default=None, help="responses JSONL cache (default OUT/responses.jsonl)")
+    p.add_argument("--cache", default=None, help="responses JSONL cache, gzip-compressed if it ends in .gz "
+                   "(default OUT/responses.jsonl)")
     p.add_argument("--log-json", default=None, help="loss-curve JSON (default OUT/train_log.json)")
     p.add_argument("--device", default=None)
     p.add_argument("--block-size", type=int, default=d.block_size)

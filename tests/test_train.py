@@ -122,6 +122,22 @@ def test_responses_cache_resumes(tiny_run, tmp_path):
     again = generate_responses(target, CharTokenizer(), PROMPTS, part, max_new_tokens=32, batch_size=8)
     assert again == recs
     assert len(part.read_text().splitlines()) == len(PROMPTS)
+    # an interrupted run's torn last record is dropped and the cache rewritten, so appends stay readable
+    torn = tmp_path / "torn.jsonl"
+    torn.write_text("\n".join(lines[:10]) + "\n" + lines[10][:25])
+    assert generate_responses(target, CharTokenizer(), PROMPTS, torn, max_new_tokens=32, batch_size=8) == recs
+    assert [json.loads(x) for x in torn.read_text().splitlines()] == [json.loads(x) for x in lines[:10]] + recs[10:]
+    # a gzip cache: written compressed, resumed after being cut in the middle of its stream, same records
+    import gzip
+
+    packed = tmp_path / "part.jsonl.gz"
+    generate_responses(target, CharTokenizer(), PROMPTS[:12], packed, max_new_tokens=32, batch_size=8)
+    data = packed.read_bytes()
+    assert data[:2] == b"\x1f\x8b"  # gzip magic
+    packed.write_bytes(data[: len(data) // 2])
+    assert generate_responses(target, CharTokenizer(), PROMPTS, packed, max_new_tokens=32, batch_size=8) == recs
+    with gzip.open(packed, "rt") as f:
+        assert sorted(json.loads(x)["key"] for x in f) == sorted(r["key"] for r in recs)
 
 
 def test_training_is_deterministic(tiny_run, tmp_path):
