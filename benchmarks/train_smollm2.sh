@@ -10,6 +10,7 @@
 # (greedy, eval sets excluded), train the drafter, measure tau (block 16 and 8, temperature 0 and 1).
 # RESPONSE_SERVER=http://HOST:PORT regenerates the responses through a running SGLang server of the target
 # (python -m sglang.launch_server --model-path <converted SmolLM2>) instead of transformers' generate.
+# CACHE=path.jsonl.gz keeps the regenerated responses gzip-compressed (to carry them to another machine).
 # GEN_SECONDS / TRAIN_SECONDS / EVAL_SECONDS cap the phases (the run that produced the bundled drafter used the
 # defaults below on one H200; train_log.json records the step count they gave).
 set -euo pipefail
@@ -29,7 +30,7 @@ $PY -c "import torch, transformers; print('torch', torch.__version__, 'transform
 $PY -m sglang_dflash.assets
 
 $PY -m sglang_dflash.train --target smollm2 --prompts "$PROMPTS/train.jsonl" \
-  --out "$WORK/drafter" --cache "$WORK/responses.jsonl" --log-json "$OUT/train_log.json" \
+  --out "$WORK/drafter" --cache "${CACHE:-$WORK/responses.jsonl}" --log-json "$OUT/train_log.json" \
   --block-size 16 --num-draft-layers "${DRAFT_LAYERS:-5}" --gamma 7 \
   --steps "${STEPS:-100000}" --batch-size "${BATCH:-32}" --anchors-per-seq "${ANCHORS:-64}" \
   --lr "${LR:-1e-3}" --warmup-steps 40 --grad-clip 1.0 --seed 0 \
