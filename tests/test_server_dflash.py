@@ -97,7 +97,7 @@ def servers(target, drafter, tmp_path_factory):
     # previous step's output (one token late), which would make penalized outputs differ for that reason alone.
     processors = "--enable-custom-logit-processor"
     specs = {"nospec": (target, [*SERVER_ARGS, "--disable-overlap-schedule", processors]),
-             "dflash": (target, [*SERVER_ARGS, *dflash_args(drafter[0]), processors]),
+             "dflash": (target, [*SERVER_ARGS, *dflash_args(drafter[0]), processors, "--enable-metrics"]),
              # memory pressure + chunked prefill: SGLang retracts a running request every few forwards
              # (SGLANG_TEST_RETRACT) and prompts are prefilled in chunks of 64 tokens.
              "dflash_stress": (target, [*SERVER_ARGS, *dflash_args(drafter[0]), "--chunked-prefill-size", "64"],
@@ -281,6 +281,22 @@ def test_greedy_matches_nospec(greedy_cases, greedy_results, dflash):
     running = [int(line.split("#running-req: ")[1].split(",")[0])
                for line in dflash.log_text().splitlines() if "Decode batch" in line]
     assert running and max(running) > 1, "no DFLASH decode batch held more than one request"
+
+
+def test_prometheus_metrics_report_accept_length(greedy_results, dflash, drafter):
+    """With --enable-metrics the DFLASH server exports SGLang's speculative gauges from our verify steps."""
+    text = requests.get(f"{dflash.base_url}/metrics", timeout=60).text
+    values = {}
+    for line in text.splitlines():
+        m = re.match(r"(sglang:spec_accept_(?:length|rate))\{[^}]*\} ([0-9.eE+-]+)$", line)
+        if m:
+            values[m.group(1)] = float(m.group(2))
+    block = json.loads((drafter[0] / "config.json").read_text())["block_size"]
+    assert set(values) == {"sglang:spec_accept_length", "sglang:spec_accept_rate"}, text[:2000]
+    assert 1.0 <= values["sglang:spec_accept_length"] <= block, values
+    assert 0.0 <= values["sglang:spec_accept_rate"] <= 1.0, values
+    if drafter[1]:  # the trained drafter gets some drafts accepted (a random one may not)
+        assert values["sglang:spec_accept_length"] > 1.0 and values["sglang:spec_accept_rate"] > 0.0, values
 
 
 def test_max_new_tokens_1_and_2(greedy_cases, greedy_results):
