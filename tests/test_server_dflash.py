@@ -687,11 +687,13 @@ def test_custom_logit_processors_match_nospec(nospec, dflash, tokenizer, loader_
     payloads = [{"input_ids": ids, "custom_logit_processor": v.get("custom_logit_processor"),
                  "sampling_params": {**greedy, **({"custom_params": v["custom_params"]} if v else {})}}
                 for v in variants.values() for ids in prompts]
-    want, got = on_both(nospec, dflash, lambda s: generate_all(s, payloads))
+    want, got = on_both(nospec, dflash, lambda s: generate_all(
+        s, [{**p, **TOP2} if BF16 and s is nospec else p for p in payloads]))
     n = len(prompts)
     outs = {name: [o["output_ids"] for o in got[i * n:(i + 1) * n]] for i, name in enumerate(variants)}
     bad = [f"{list(variants)[i // n]} prompt {i % n}: no-spec {w['output_ids'][:12]}... vs DFLASH {g['output_ids'][:12]}..."
-           for i, (w, g) in enumerate(zip(want, got)) if w["output_ids"] != g["output_ids"]]
+           for i, (w, g) in enumerate(zip(want, got))
+           if w["output_ids"] != g["output_ids"] and not (BF16 and near_tie_parting(w, g) is not None)]
     assert not bad, "custom-processor outputs differ from no-spec:\n" + "\n".join(bad)
     for name in ("disallow", "no_repeat_bigram"):
         changed = sum(a != b for a, b in zip(outs["plain"], outs[name]))
@@ -845,8 +847,11 @@ def test_grammar_constrained_outputs_match_nospec(nospec, dflash, tokenizer):
     prompts = chat_ids(tokenizer, data.apply_chat([q for q, _ in cases], tokenizer))
     payloads = [{"input_ids": p, "sampling_params": {"temperature": 0.0, "max_new_tokens": 64, **c}}
                 for p, (_, c) in zip(prompts, cases)]
-    want, got = on_both(nospec, dflash, lambda s: generate_all(s, payloads, threads=len(payloads)))
+    want, got = on_both(nospec, dflash, lambda s: generate_all(
+        s, [{**p, **TOP2} if BF16 and s is nospec else p for p in payloads], threads=len(payloads)))
     for (q, c), w, g in zip(cases, want, got):
+        if g["output_ids"] != w["output_ids"] and BF16 and near_tie_parting(w, g) is not None:
+            continue  # parted at a near-tie (bf16 only); the constraint checks below still apply
         assert g["output_ids"] == w["output_ids"], (q, w["text"], g["text"])
         assert g["meta_info"]["finish_reason"] == w["meta_info"]["finish_reason"], q
     assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", got[0]["text"]), got[0]["text"]
