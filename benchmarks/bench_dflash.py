@@ -30,6 +30,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -295,10 +296,9 @@ def median_row(passes: list[dict], workload: str, impl: str, temperature: float,
         row["error"] = passes[-1].get("error", "no successful pass") if passes else "not run"
         return row
     for key in METRICS:
-        vals = sorted(p[key] for p in ok if p.get(key) is not None)
+        vals = [p[key] for p in ok if p.get(key) is not None]
         if vals:
-            mid = len(vals) // 2
-            row[key] = vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+            row[key] = statistics.median(vals)
     tputs = [p["output_throughput"] for p in ok]
     row["spread"] = (max(tputs) - min(tputs)) / row["output_throughput"]
     return row

@@ -191,14 +191,28 @@ LOGPROB_ABS = 0.15 if BF16 else 1e-3
 TOP2 = {"return_logprob": True, "top_logprobs_num": 2}  # what near_tie_parting reads from the no-spec reply
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token of two replies (the shorter length if one extends the other), or None."""
+    if a == b:
+        return None
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def generate_pair(nospec, dflash, payloads: list[dict], reference_top2: bool = BF16, **kwargs):
+    """Every payload to both servers at once: (no-spec outputs, DFLASH outputs); with ``reference_top2`` the no-spec
+    replies carry their top-2 logprobs (what near_tie_parting reads)."""
+    return on_both(nospec, dflash, lambda s: generate_all(
+        s, [{**p, **TOP2} if reference_top2 and s is nospec else p for p in payloads], **kwargs))
+
+
 def near_tie_parting(want: dict, got: dict) -> int | None:
     """Index of the first token where the DFLASH reply ``got`` leaves the no-spec reply ``want``, if it leaves it at a
     near-tie there (no-spec top-2 logprob gap <= BF16_TIE_NATS, the DFLASH token one of the two; ``want`` carries
     ``output_top_logprobs``); None otherwise."""
     a, b = want["output_ids"], got["output_ids"]
-    j = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    j = first_difference(a, b)
     tops = want["meta_info"].get("output_top_logprobs") or []
-    if j is None or j >= len(tops) or len(tops[j]) < 2:
+    if j is None or j >= min(len(a), len(b), len(tops)) or len(tops[j]) < 2:
         return None
     (lp1, t1, _), (lp2, t2, _) = tops[j][:2]
     return j if lp1 - lp2 <= BF16_TIE_NATS and b[j] in (t1, t2) else None
@@ -223,9 +237,7 @@ def assert_same_reply(want: dict, got: dict, context) -> int:
 def greedy_results(nospec, dflash, greedy_cases) -> tuple[list[dict], list[dict]]:
     """All greedy cases sent concurrently to both servers: (no-spec outputs, DFLASH outputs); in bf16 the no-spec
     replies carry their top-2 logprobs (near_tie_parting)."""
-    payloads = [c.payload() for c in greedy_cases]
-    return on_both(nospec, dflash, lambda s: generate_all(
-        s, [{**p, **TOP2} if BF16 and s is nospec else p for p in payloads]))
+    return generate_pair(nospec, dflash, [c.payload() for c in greedy_cases])
 
 
 def _mismatch(case: Case, want: dict, got: dict) -> str | None:
@@ -237,7 +249,8 @@ def _mismatch(case: Case, want: dict, got: dict) -> str | None:
         return None
     if BF16 and near_tie_parting(want, got) is not None:
         return None
-    first = next((i for i, (a, b) in enumerate(zip(w, g)) if a != b), min(len(w), len(g)))
+    first = first_difference(w, g)
+    first = len(w) if first is None else first  # equal ids, different text or finish
     return (f"{case.name}: first difference at token {first} (no-spec {w[first:first + 4]} vs DFLASH "
             f"{g[first:first + 4]}); lengths {len(w)}/{len(g)}; finish {wf} vs {gf}; "
             f"texts {want['text'][-60:]!r} vs {got['text'][-60:]!r}")
@@ -356,8 +369,7 @@ def test_bf16_divergences_are_near_ties(target, drafter, loader_prompts, tmp_pat
     greedy = {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS}
     payloads = [{"input_ids": ids, "sampling_params": greedy} for prompts in loader_prompts.values() for ids in prompts]
     with launch_servers(specs, log_dir=tmp_path) as servers:
-        want, got = on_both(servers["nospec"], servers["dflash"], lambda s: generate_all(
-            s, [{**p, **TOP2} if s is servers["nospec"] else p for p in payloads]))
+        want, got = generate_pair(servers["nospec"], servers["dflash"], payloads, reference_top2=True)
     checked, parted, bad = 0, [], []
     for i, (w, g) in enumerate(zip(want, got)):
         a, b = w["output_ids"], g["output_ids"]
@@ -366,7 +378,7 @@ def test_bf16_divergences_are_near_ties(target, drafter, loader_prompts, tmp_pat
             continue
         j = near_tie_parting(w, g)
         if j is None:
-            k = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            k = first_difference(a, b)
             top = w["meta_info"]["output_top_logprobs"][k][:2] if k < len(a) else "end of reply"
             bad.append(f"prompt {i} at token {k}: no-spec {a[k:k + 1]} (top-2 {top}), DFLASH {b[k:k + 1]}")
             continue
@@ -687,8 +699,7 @@ def test_custom_logit_processors_match_nospec(nospec, dflash, tokenizer, loader_
     payloads = [{"input_ids": ids, "custom_logit_processor": v.get("custom_logit_processor"),
                  "sampling_params": {**greedy, **({"custom_params": v["custom_params"]} if v else {})}}
                 for v in variants.values() for ids in prompts]
-    want, got = on_both(nospec, dflash, lambda s: generate_all(
-        s, [{**p, **TOP2} if BF16 and s is nospec else p for p in payloads]))
+    want, got = generate_pair(nospec, dflash, payloads)
     n = len(prompts)
     outs = {name: [o["output_ids"] for o in got[i * n:(i + 1) * n]] for i, name in enumerate(variants)}
     bad = [f"{list(variants)[i // n]} prompt {i % n}: no-spec {w['output_ids'][:12]}... vs DFLASH {g['output_ids'][:12]}..."
@@ -847,8 +858,7 @@ def test_grammar_constrained_outputs_match_nospec(nospec, dflash, tokenizer):
     prompts = chat_ids(tokenizer, data.apply_chat([q for q, _ in cases], tokenizer))
     payloads = [{"input_ids": p, "sampling_params": {"temperature": 0.0, "max_new_tokens": 64, **c}}
                 for p, (_, c) in zip(prompts, cases)]
-    want, got = on_both(nospec, dflash, lambda s: generate_all(
-        s, [{**p, **TOP2} if BF16 and s is nospec else p for p in payloads], threads=len(payloads)))
+    want, got = generate_pair(nospec, dflash, payloads, threads=len(payloads))
     for (q, c), w, g in zip(cases, want, got):
         if g["output_ids"] != w["output_ids"] and BF16 and near_tie_parting(w, g) is not None:
             continue  # parted at a near-tie (bf16 only); the constraint checks below still apply
