@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import pytest
 import requests
 
+from harness import compare
+from harness.compare import REFERENCE_LOGPROBS, first_difference
 from harness.server import expect_startup_failure, server_dtype
 from server_fixtures import COMMON_ARGS, SERVER_ENV, dflash_args, drafter_for_tests, launch_servers, nccl_port_args
 
@@ -44,15 +46,33 @@ EOS_QUESTIONS = (
 )
 MAX_EOS_TOKENS = 48
 
-# (dataset, index, sampling-param overrides): each stop string / stop token occurs in the middle of the
-# greedy output of that prompt (tokens 13-22 of 32); "spi" ends inside the token " spices".
+# (dataset, index, kind, position): a stop condition taken from the no-spec greedy reply of that prompt at or after
+# that token (stop_params), so that it fires mid-generation whatever the dtype: "words" = the text of two tokens,
+# "partial" = a token's text less its last character (the stop ends inside a token), "decoy" = that with a stop
+# string that never occurs, "token" = a stop token id.
 STOP_CASES = (
-    ("mtbench", 1, {"stop": ["finds you"]}),
-    ("mtbench", 5, {"stop": ["spi"]}),
-    ("humaneval", 2, {"stop": ['"""']}),
-    ("gsm8k", 1, {"stop": ["never in the output", "\n2."]}),
-    ("gsm8k", 6, {"stop_token_ids": "newline"}),  # resolved to the id of "\n" below
+    ("mtbench", 1, "words", 14),
+    ("mtbench", 5, "partial", 14),
+    ("humaneval", 2, "words", 10),
+    ("gsm8k", 1, "decoy", 16),
+    ("gsm8k", 6, "token", 14),
 )
+
+
+def stop_params(kind: str, ids: list[int], position: int, tokenizer) -> dict:
+    """Sampling-param overrides that stop the greedy reply ``ids`` at the first token from ``position`` on that can
+    carry a ``kind`` stop (one that cannot fire earlier in the reply)."""
+    for k in range(position, len(ids) - 4):
+        before = tokenizer.decode(ids[:k])
+        if kind == "token":
+            if ids[k] not in ids[:k]:
+                return {"stop_token_ids": [ids[k]]}
+            continue
+        text = tokenizer.decode(ids[k:k + 2]).strip() if kind in ("words", "decoy") else \
+            tokenizer.decode(ids[k:k + 1]).strip()[:-1]
+        if len(text) >= 3 and text not in before and text in tokenizer.decode(ids[:k + 2]):
+            return {"stop": ["never in the output", text] if kind == "decoy" else [text]}
+    raise AssertionError(f"no {kind} stop fits the reply {ids} after token {position}")
 
 
 @dataclass
@@ -154,7 +174,7 @@ def on_both(nospec, dflash, fn):
 
 
 @pytest.fixture(scope="module")
-def greedy_cases(tokenizer, loader_prompts) -> list[Case]:
+def greedy_cases(tokenizer, loader_prompts, nospec) -> list[Case]:
     from sglang_dflash import data
 
     greedy = {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS}
@@ -168,54 +188,33 @@ def greedy_cases(tokenizer, loader_prompts) -> list[Case]:
         short.append((EOS_QUESTIONS[2], eos_ids[2]))
         cases += [Case("short", f"{label} max_new_tokens={n}", ids, {"temperature": 0.0, "max_new_tokens": n})
                   for label, ids in short]
-    newline = tokenizer("\n", add_special_tokens=False).input_ids
-    assert len(newline) == 1, newline
-    for name, i, extra in STOP_CASES:
-        extra = {"stop_token_ids": newline} if extra.get("stop_token_ids") == "newline" else extra
-        cases.append(Case("stop", f"{name}[{i}] {extra}", loader_prompts[name][i], {**greedy, **extra}))
+    stop_prompts = [loader_prompts[name][i] for name, i, _, _ in STOP_CASES]
+    replies = generate_all(nospec, [{"input_ids": ids, "sampling_params": greedy} for ids in stop_prompts])
+    for (name, i, kind, position), ids, reply in zip(STOP_CASES, stop_prompts, replies):
+        extra = stop_params(kind, reply["output_ids"], position, tokenizer)
+        cases.append(Case("stop", f"{name}[{i}] {extra}", ids, {**greedy, **extra}))
     return cases
 
 
-# In bfloat16 the 16-token verify forward and the 1-token decode forward round differently, so a greedy choice
-# between two logits that are equal or one bf16 step apart (0.0625 / 0.125 at the magnitudes SmolLM2's logits take)
-# can flip. Measured on CPU, 24 prompts x 32 tokens: 11 of 24 replies parted at gaps of 0, 0.0625 or 0.125 nats,
-# the DFLASH token always the no-spec runner-up. A verification error picks tokens the target did not nearly tie.
-BF16_TIE_NATS = 0.25
-
-# The module's servers ask for float32 and are compared exactly on CPU. In the harness's GPU mode they serve bfloat16
-# (SGLang's CUDA kernels have no float32 path), where two correct implementations part at near-ties of the reference
-# (test_bf16_divergences_are_near_ties): comparisons of replies then accept such a parting, and logprobs of the
-# shared part agree within a bf16 tolerance.
+# The module's servers ask for float32 and are compared exactly on CPU. In the harness's GPU mode (and with
+# SGLANG_DFLASH_TEST_BF16=1 on CPU) they serve bfloat16 (SGLang's CUDA kernels have no float32 path), where two correct
+# implementations part at near-ties of the reference (harness.compare; test_bf16_divergences_are_near_ties):
+# comparisons of replies then accept such a parting, and logprobs of the shared part agree within a bf16 tolerance.
 BF16 = server_dtype("float32") == "bfloat16"
-LOGPROB_ABS = 0.15 if BF16 else 1e-3
-TOP2 = {"return_logprob": True, "top_logprobs_num": 2}  # what near_tie_parting reads from the no-spec reply
+LOGPROB_ABS = compare.BF16_LOGPROB_ABS if BF16 else 1e-3
 
 
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """Index of the first differing token of two replies (the shorter length if one extends the other), or None."""
-    if a == b:
-        return None
-    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def generate_pair(nospec, dflash, payloads: list[dict], reference_top2: bool = BF16, **kwargs):
-    """Every payload to both servers at once: (no-spec outputs, DFLASH outputs); with ``reference_top2`` the no-spec
-    replies carry their top-2 logprobs (what near_tie_parting reads)."""
+def generate_pair(nospec, dflash, payloads: list[dict], reference_top: bool = BF16, **kwargs):
+    """Every payload to both servers at once: (no-spec outputs, DFLASH outputs); with ``reference_top`` the no-spec
+    replies carry their top logprobs (what near_tie_parting reads)."""
     return on_both(nospec, dflash, lambda s: generate_all(
-        s, [{**p, **TOP2} if reference_top2 and s is nospec else p for p in payloads], **kwargs))
+        s, [{**p, **REFERENCE_LOGPROBS} if reference_top and s is nospec else p for p in payloads], **kwargs))
 
 
 def near_tie_parting(want: dict, got: dict) -> int | None:
-    """Index of the first token where the DFLASH reply ``got`` leaves the no-spec reply ``want``, if it leaves it at a
-    near-tie there (no-spec top-2 logprob gap <= BF16_TIE_NATS, the DFLASH token one of the two; ``want`` carries
-    ``output_top_logprobs``); None otherwise."""
-    a, b = want["output_ids"], got["output_ids"]
-    j = first_difference(a, b)
-    tops = want["meta_info"].get("output_top_logprobs") or []
-    if j is None or j >= min(len(a), len(b), len(tops)) or len(tops[j]) < 2:
-        return None
-    (lp1, t1, _), (lp2, t2, _) = tops[j][:2]
-    return j if lp1 - lp2 <= BF16_TIE_NATS and b[j] in (t1, t2) else None
+    """Where the DFLASH reply ``got`` leaves the no-spec reply ``want`` at a near-tie of ``want`` (harness.compare's
+    rule; ``want`` carries ``output_top_logprobs``); None otherwise."""
+    return compare.near_tie_parting(want["output_ids"], got["output_ids"], compare.sglang_top(want))
 
 
 def assert_same_reply(want: dict, got: dict, context) -> int:
@@ -236,7 +235,7 @@ def assert_same_reply(want: dict, got: dict, context) -> int:
 @pytest.fixture(scope="module")
 def greedy_results(nospec, dflash, greedy_cases) -> tuple[list[dict], list[dict]]:
     """All greedy cases sent concurrently to both servers: (no-spec outputs, DFLASH outputs); in bf16 the no-spec
-    replies carry their top-2 logprobs (near_tie_parting)."""
+    replies carry their top logprobs (near_tie_parting)."""
     return generate_pair(nospec, dflash, [c.payload() for c in greedy_cases])
 
 
@@ -350,26 +349,31 @@ def test_near_tie_parting_rule():
     def reply(ids, tops=None):
         return {"output_ids": ids, "meta_info": {} if tops is None else {"output_top_logprobs": tops}}
 
-    tops = [[(-0.1, 5, None), (-3.0, 6, None)], [(-1.00, 7, None), (-1.0625, 8, None)], [(-0.5, 9, None), (-2.0, 1, None)]]
+    tops = [[(-0.1, 5, None), (-3.0, 6, None)],
+            [(-1.00, 7, None), (-1.0625, 8, None), (-1.125, 2, None), (-1.5, 3, None)],
+            [(-0.5, 9, None), (-2.0, 1, None)]]
     want = reply([5, 7, 9], tops)
     assert near_tie_parting(want, reply([5, 8, 4])) == 1  # the runner-up, 0.0625 behind
-    assert near_tie_parting(want, reply([5, 3, 9])) is None  # not among the top two
+    assert near_tie_parting(want, reply([5, 2, 4])) == 1  # the third choice, 0.125 behind
+    assert near_tie_parting(want, reply([5, 3, 9])) is None  # among the top choices, but 0.5 behind
+    assert near_tie_parting(want, reply([5, 4, 9])) is None  # not among the top choices
     assert near_tie_parting(want, reply([6, 7, 9])) is None  # a 2.9-nat gap is no tie
     assert near_tie_parting(want, reply([5, 7, 9])) is None  # no parting at all
+    assert near_tie_parting(want, reply([5, 7])) is None  # a prefix: cut short, not parted
     assert near_tie_parting(reply([5, 7, 9]), reply([5, 8, 9])) is None  # no logprobs to judge by
 
 
 def test_bf16_divergences_are_near_ties(target, drafter, loader_prompts, tmp_path):
-    """A bfloat16 DFLASH server may part from a bfloat16 no-spec server only at a near-tie of the no-spec run: at the
-    first differing token the no-spec top-2 logprob gap is <= BF16_TIE_NATS and the DFLASH token is one of those two.
-    This pair of servers runs bf16 on CPU too (the module's servers are the float32 ones, compared exactly)."""
+    """A bfloat16 DFLASH server may part from a bfloat16 no-spec server only at a near-tie of the no-spec run
+    (harness.compare: the DFLASH token among the no-spec top choices there, at most TIE_NATS below the no-spec one).
+    This pair of servers runs bf16 on CPU in every run (the module's servers are the float32 ones, compared exactly)."""
     bf16 = ["--dtype", "bfloat16", "--decode-log-interval", "1"]
     specs = {"nospec": (target, [*bf16, "--disable-overlap-schedule"]),
              "dflash": (target, [*bf16, *dflash_args(drafter[0])])}
     greedy = {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS}
     payloads = [{"input_ids": ids, "sampling_params": greedy} for prompts in loader_prompts.values() for ids in prompts]
     with launch_servers(specs, log_dir=tmp_path) as servers:
-        want, got = generate_pair(servers["nospec"], servers["dflash"], payloads, reference_top2=True)
+        want, got = generate_pair(servers["nospec"], servers["dflash"], payloads, reference_top=True)
     checked, parted, bad = 0, [], []
     for i, (w, g) in enumerate(zip(want, got)):
         a, b = w["output_ids"], g["output_ids"]
@@ -379,12 +383,12 @@ def test_bf16_divergences_are_near_ties(target, drafter, loader_prompts, tmp_pat
         j = near_tie_parting(w, g)
         if j is None:
             k = first_difference(a, b)
-            top = w["meta_info"]["output_top_logprobs"][k][:2] if k < len(a) else "end of reply"
-            bad.append(f"prompt {i} at token {k}: no-spec {a[k:k + 1]} (top-2 {top}), DFLASH {b[k:k + 1]}")
+            top = compare.sglang_top(w)[k] if k < len(a) else "end of reply"
+            bad.append(f"prompt {i} at token {k}: no-spec {a[k:k + 1]} (top {top}), DFLASH {b[k:k + 1]}")
             continue
         checked += j
-        (lp1, _, _), (lp2, _, _) = w["meta_info"]["output_top_logprobs"][j][:2]
-        parted.append(f"prompt {i} at token {j}: gap {lp1 - lp2:.4f}")
+        top = dict((tok, lp) for lp, tok in compare.sglang_top(w)[j])
+        parted.append(f"prompt {i} at token {j}: {top[a[j]] - top[b[j]]:.4f} nats")
     assert not bad, "DFLASH left the no-spec reply away from a near-tie:\n" + "\n".join(bad)
     # most positions were compared before any parting (a run that parts early everywhere proves little)
     assert checked >= len(payloads) * MAX_NEW_TOKENS // 2, (checked, parted)
@@ -768,12 +772,23 @@ def test_trainer_regenerates_responses_through_the_server(nospec, target, tokeni
     from sglang_dflash import data
     from sglang_dflash.train import generate_responses
 
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, server_dtype("float32"))).eval()
     texts = data.apply_chat([EOS_QUESTIONS[0], EOS_QUESTIONS[1], "Write a haiku about the sea."], tokenizer)
     kwargs = dict(max_new_tokens=24, batch_size=2, progress=False)
     via_server = generate_responses(model, tokenizer, texts, tmp_path / "server.jsonl", server_url=nospec.base_url,
                                     **kwargs)
     in_process = generate_responses(model, tokenizer, texts, tmp_path / "hf.jsonl", **kwargs)
+    if BF16:  # the server's kernels and transformers round differently: accept a parting at a near-tie of the latter
+        for a, b in zip(in_process, via_server):
+            assert a["key"] == b["key"] and a["prompt_ids"] == b["prompt_ids"]
+            j = first_difference(a["response_ids"], b["response_ids"])
+            if j is not None and j < min(len(a["response_ids"]), len(b["response_ids"])):
+                with torch.no_grad():
+                    lp = torch.log_softmax(model(torch.tensor([a["prompt_ids"] + a["response_ids"][:j]])).logits[
+                        0, -1].float(), -1).topk(compare.TOPK)
+                top = [[]] * j + [list(zip(lp.values.tolist(), lp.indices.tolist()))]
+                assert compare.near_tie_parting(a["response_ids"], b["response_ids"], top) == j, (a, b)
+                b["response_ids"] = a["response_ids"]  # judged; the checks below read the in-process replies
     assert via_server == in_process
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert via_server[0]["response_ids"][-1] == eos and len(via_server[0]["response_ids"]) < 24
@@ -801,7 +816,7 @@ def test_logit_bias_and_min_new_tokens_match_nospec(nospec, dflash, tokenizer):
     ]
     for params in cases:
         for p in prompts:
-            payload = {"input_ids": p, "sampling_params": params, **TOP2}
+            payload = {"input_ids": p, "sampling_params": params, **REFERENCE_LOGPROBS}
             want, got = on_both(nospec, dflash, lambda s: s.post("/generate", payload))
             assert_same_reply(want, got, (params, p))
             if "min_new_tokens" in params:
@@ -832,7 +847,7 @@ def test_penalties_match_nospec(nospec, dflash, tokenizer):
     for params in cases:
         outs = []
         for p in prompts:
-            payload = {"input_ids": p, "sampling_params": params, **TOP2}
+            payload = {"input_ids": p, "sampling_params": params, **REFERENCE_LOGPROBS}
             want, got = on_both(nospec, dflash, lambda s: s.post("/generate", payload))
             assert_same_reply(want, got, (params, tokenizer.decode(p)[-60:]))
             outs.append(got["output_ids"])
