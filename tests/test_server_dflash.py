@@ -395,7 +395,7 @@ def test_bf16_divergences_are_near_ties(target, drafter, loader_prompts, tmp_pat
 
 
 @pytest.mark.xfail(strict=True, reason="issue #4: the bundled drafter is under-trained (short replies: 32 tokens; "
-                   "H200 server 1.9-2.1 over 40 prompts x 128 tokens, see benchmarks/RESULTS.md); this asserts the "
+                   "reference engine 2.0-2.3 over 40 prompts x 128 tokens, see benchmarks/RESULTS.md); this asserts the "
                    "required > 2")
 def test_accept_length_with_trained_drafter(drafter, greedy_cases, greedy_results, dflash):
     """Mean accept length (SGLang's definition: completion_tokens / spec_verify_ct, aggregated over the
