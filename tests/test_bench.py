@@ -38,3 +38,35 @@ def test_table_reports_medians_and_spread(capsys):
     out = capsys.readouterr().out
     assert "median of 3 passes per cell" in out
     assert "| real | 0 | 1 | 500 | 390 | 450 | 0.90x | 1.15x | — | 67% |" in out
+
+
+class _FakeServer:
+    """Replies from a table: prompt (tuple) -> output ids; the reference's carry top logprobs."""
+
+    def __init__(self, name, replies, tops=None):
+        self.name, self.replies, self.tops, self.asked = name, replies, tops or {}, []
+
+    def generate(self, input_ids, max_new_tokens, reference=False):
+        self.asked.append(reference)
+        out = {"output_ids": self.replies[tuple(input_ids)], "meta_info": {}}
+        if reference:
+            out["meta_info"]["output_top_logprobs"] = self.tops[tuple(input_ids)]
+        return out
+
+
+def test_identity_check_separates_near_tie_partings_from_real_ones():
+    prompts = [[1], [2], [3]]
+    tops = {(1,): [[(-0.1, 5, None), (-3.0, 6, None)]] * 3,
+            (2,): [[(-0.1, 5, None), (-3.0, 6, None)], [(-1.0, 7, None), (-1.0625, 8, None)], [(-0.5, 9, None)]],
+            (3,): [[(-0.1, 5, None), (-3.0, 6, None)]] * 3}
+    nospec = _FakeServer("nospec", {(1,): [5, 5, 5], (2,): [5, 7, 9], (3,): [5, 5, 5]}, tops)
+    tie = _FakeServer("ours", {(1,): [5, 5, 5], (2,): [5, 8, 4], (3,): [5, 5, 5]})  # the runner-up, 0.0625 behind
+    wrong = _FakeServer("builtin", {(1,): [5, 5, 5], (2,): [5, 7, 9], (3,): [6, 5, 5]})  # 2.9 nats behind
+    got = bench.check_identical([nospec, tie, wrong], prompts, 3)
+    assert nospec.asked == [True] * 3 and tie.asked == wrong.asked == [False] * 3
+    assert got["mismatched_prompt_indices"] == {"ours": [1], "builtin": [2]}
+    assert got["near_tie_prompt_indices"] == {"ours": [1], "builtin": []}
+    assert got["identical"] is False and got["identical_up_to_near_ties"] is False
+    assert bench.check_identical([nospec, tie], prompts, 3)["identical_up_to_near_ties"] is True
+    same = bench.check_identical([nospec, _FakeServer("x", nospec.replies)], prompts, 3)
+    assert same["identical"] is True and same["identical_up_to_near_ties"] is True

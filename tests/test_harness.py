@@ -6,7 +6,7 @@ server serves bfloat16 (flashinfer, or triton with ``SGLANG_DFLASH_TEST_GPU_BACK
 transformers reference runs in bfloat16 on the GPU too; the tiny model's head_dim is 64 there (flashinfer's
 attention kernels are built for head_dim 64/128/256, not 16).
 In bfloat16 (GPU mode, or ``SGLANG_DFLASH_TEST_BF16=1``) SGLang's kernels and transformers' eager code round
-differently, so the replies are compared with ``harness.compare``'s near-tie rule (transformers' top choices as the
+differently, so the replies are compared with ``sglang_dflash.compare``'s near-tie rule (transformers' top choices as the
 reference) and the logprobs of the shared part within a bf16 tolerance; in float32 they must be identical.
 The argv/env tests at the end build both modes' server commands without starting anything.
 """
@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from harness import compare
+from sglang_dflash import compare
 from harness.models import make_tiny_llama
 from harness.server import (
     CPU_BF16,
@@ -95,7 +95,7 @@ def server(tiny_dir):
 @torch.no_grad()
 def hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float], list[list[tuple[float, int]]]]:
     """n greedy tokens of ``model`` after ``ids`` (no EOS stop), their log-probs, and the top choices
-    ``[(logprob, token), ...]`` at each position (harness.compare's reference)."""
+    ``[(logprob, token), ...]`` at each position (sglang_dflash.compare's reference)."""
     seq = torch.tensor([ids], device=model.device)
     out, logprobs, tops = [], [], []
     for _ in range(n):

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import pytest
 import requests
 
-from harness import compare
-from harness.compare import REFERENCE_LOGPROBS, first_difference
+from sglang_dflash import compare
+from sglang_dflash.compare import REFERENCE_LOGPROBS, first_difference
 from harness.server import expect_startup_failure, server_dtype
 from server_fixtures import COMMON_ARGS, SERVER_ENV, dflash_args, drafter_for_tests, launch_servers, nccl_port_args
 
@@ -198,7 +198,7 @@ def greedy_cases(tokenizer, loader_prompts, nospec) -> list[Case]:
 
 # The module's servers ask for float32 and are compared exactly on CPU. In the harness's GPU mode (and with
 # SGLANG_DFLASH_TEST_BF16=1 on CPU) they serve bfloat16 (SGLang's CUDA kernels have no float32 path), where two correct
-# implementations part at near-ties of the reference (harness.compare; test_bf16_divergences_are_near_ties):
+# implementations part at near-ties of the reference (sglang_dflash.compare; test_bf16_divergences_are_near_ties):
 # comparisons of replies then accept such a parting, and logprobs of the shared part agree within a bf16 tolerance.
 BF16 = server_dtype("float32") == "bfloat16"
 LOGPROB_ABS = compare.BF16_LOGPROB_ABS if BF16 else 1e-3
@@ -212,7 +212,7 @@ def generate_pair(nospec, dflash, payloads: list[dict], reference_top: bool = BF
 
 
 def near_tie_parting(want: dict, got: dict) -> int | None:
-    """Where the DFLASH reply ``got`` leaves the no-spec reply ``want`` at a near-tie of ``want`` (harness.compare's
+    """Where the DFLASH reply ``got`` leaves the no-spec reply ``want`` at a near-tie of ``want`` (sglang_dflash.compare's
     rule; ``want`` carries ``output_top_logprobs``); None otherwise."""
     return compare.near_tie_parting(want["output_ids"], got["output_ids"], compare.sglang_top(want))
 
@@ -365,7 +365,7 @@ def test_near_tie_parting_rule():
 
 def test_bf16_divergences_are_near_ties(target, drafter, loader_prompts, tmp_path):
     """A bfloat16 DFLASH server may part from a bfloat16 no-spec server only at a near-tie of the no-spec run
-    (harness.compare: the DFLASH token among the no-spec top choices there, at most TIE_NATS below the no-spec one).
+    (sglang_dflash.compare: the DFLASH token among the no-spec top choices there, at most TIE_NATS below the no-spec one).
     This pair of servers runs bf16 on CPU in every run (the module's servers are the float32 ones, compared exactly)."""
     bf16 = ["--dtype", "bfloat16", "--decode-log-interval", "1"]
     specs = {"nospec": (target, [*bf16, "--disable-overlap-schedule"]),

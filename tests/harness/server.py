@@ -14,8 +14,8 @@ servers share one GPU), no ``sitecustomize`` and no ``SGLANG_USE_CPU_ENGINE``. S
 among them) run only fp16/bf16, so a test's ``--dtype float32`` is served as ``bfloat16`` (:func:`server_dtype`,
 the one place that maps it): the identity comparisons (DFLASH vs no-spec, server vs transformers) then run in
 bf16, where the 1-token decode and the multi-token verify forward round differently, and accept a parting only at
-a near-tie of the reference (``compare.py``). ``SGLANG_DFLASH_TEST_BF16=1`` serves float32 as bfloat16 on CPU as
-well, to run those bf16 comparisons without a GPU. ``SGLANG_DFLASH_TEST_GPU_DETERMINISTIC=1`` adds SGLang's
+a near-tie of the reference (``sglang_dflash/compare.py``). ``SGLANG_DFLASH_TEST_BF16=1`` serves float32 as
+bfloat16 on CPU as well, to run those bf16 comparisons without a GPU. ``SGLANG_DFLASH_TEST_GPU_DETERMINISTIC=1`` adds SGLang's
 ``--enable-deterministic-inference`` (batch-invariant matmuls and norms, fixed attention splits). Servers get
 ``STARTUP_TIMEOUT`` (420 s) to start (first start captures CUDA graphs and JIT-compiles kernels). Nothing here
 needs the repo's ``.venv`` or the network; sglang and sglang-dflash (with its ``sglang.srt.plugins`` entry

@@ -1,16 +1,16 @@
-"""Comparing a reply with a reference reply, exactly or (bfloat16) up to a near-tie of the reference.
+"""Comparing a greedy reply with a reference reply, exactly or (bfloat16) up to a near-tie of the reference.
 
-In bfloat16 two correct forwards that group their arithmetic differently (a 16-token verify and a 1-token decode;
-SGLang's kernels and transformers' eager code) round differently, so a greedy choice between logits that are
+In bfloat16 two correct forwards that group their arithmetic differently (a 16-token DFLASH verify and a 1-token
+decode; SGLang's kernels and transformers' eager code) round differently, so a greedy choice between logits that are
 equal or one or two bf16 steps apart can flip, and from there the replies continue differently. Measured on CPU
 (24 prompts x 32 tokens, SmolLM2 bf16): 11 of 24 DFLASH replies parted from no-spec, always at a reference
 top-2 gap of 0, 0.0625 or 0.125 nats; on the H200 a DFLASH reply also took the reference's third choice, within
 0.125 nats of its first. A verification or sampling bug picks tokens the reference did not nearly tie.
 
-The rule (one copy, used by every module that compares bf16 replies): at the first token where the two replies
-differ, the reply's token must be among the reference's ``TOPK`` choices there and no more than ``TIE_NATS``
-below the reference's own choice. Positions before that are compared as usual (logprobs within
-BF16_LOGPROB_ABS).
+The rule (one copy: the end-to-end tests and the serving benchmark's identity check use it): at the first token
+where the two replies differ, the reply's token must be among the reference's ``TOPK`` choices there and no more
+than ``TIE_NATS`` below the reference's own choice. Positions before that are compared as usual (logprobs within
+``BF16_LOGPROB_ABS``). Pure Python: no torch, no sglang.
 """
 
 from __future__ import annotations
