@@ -279,7 +279,7 @@ def test_cuda_server_command_and_env(monkeypatch, backend):
     cmd = server_command("/m", 1234, ["--dtype", "float32", "--decode-log-interval", "1"], device="cuda",
                          gpu_backend=backend, deterministic=False)
     assert cmd == [
-        *PREFIX, "--device", "cuda", "--attention-backend", backend, "--mem-fraction-static", "0.12",
+        *PREFIX, "--device", "cuda", "--attention-backend", backend, "--mem-fraction-static", "0.3",
         "--max-total-tokens", "16384", "--cuda-graph-max-bs", "32", "--disable-prefill-cuda-graph",
         "--sleep-on-idle", "--dtype", dtype, "--decode-log-interval", "1"]
     # CUDA graphs for decode / verify stay on: nothing disables them

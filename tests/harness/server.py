@@ -105,14 +105,15 @@ CPU_BF16 = os.environ.get(BF16_ENV_VAR, "0") == "1"
 #   --attention-backend GPU_BACKEND (see the module docstring).
 #   CUDA graphs stay ON for decode and DFLASH verify (no --disable-cuda-graph), up to batch 32;
 #       --disable-prefill-cuda-graph: prefill runs eagerly (as in benchmarks/bench_dflash.py).
-#   --mem-fraction-static 0.12 + --max-total-tokens: several servers of the suite run on one GPU at once.
-#       SGLang 0.5.17 leaves (1 - 0.12) of the memory free at the process's start to others, and the
-#       token cap keeps each KV pool small (SmolLM2-135M: 16384 tokens ~ 0.4 GB).
+#   --mem-fraction-static 0.3 + --max-total-tokens: several servers of the suite run on one GPU at once, next to
+#       other GPU work. SGLang 0.5.17 starts only if (1 - fraction) x total memory is still free after its weights
+#       (0.12 failed next to a 35%-of-the-GPU job; 0.3 served the suite next to a 26 GB training job), and the token
+#       cap, not the fraction, sizes each KV pool (SmolLM2-135M: 16384 tokens ~ 0.4 GB).
 #   --sleep-on-idle: as on CPU.
 CUDA_SERVER_ARGS: dict[str, str | None] = {
     "--device": "cuda",
     "--attention-backend": GPU_BACKEND,
-    "--mem-fraction-static": "0.12",
+    "--mem-fraction-static": "0.3",
     "--max-total-tokens": "16384",
     "--cuda-graph-max-bs": "32",
     "--disable-prefill-cuda-graph": None,
