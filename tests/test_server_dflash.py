@@ -345,6 +345,30 @@ def test_eos_inside_block(greedy_cases, greedy_results, tokenizer):
 # ----------------------------------------------------------------------------------------------- 4. accept length
 
 
+def test_stop_params_pick_a_stop_that_fires_first_where_asked(tokenizer):
+    ids = tokenizer(" one two three four. one two three five. seven eight nine ten eleven twelve thirteen",
+                    add_special_tokens=False).input_ids
+    for kind, position in (("words", 1), ("words", 6), ("partial", 2), ("decoy", 3), ("token", 0), ("token", 5)):
+        params = stop_params(kind, ids, position, tokenizer)
+        if kind == "token":
+            (tok,) = params["stop_token_ids"]
+            k = ids.index(tok)
+            assert k >= position and tok not in ids[:k], (kind, position, params)
+            continue
+        stop = params["stop"][-1]
+        assert (params["stop"][0] == "never in the output") == (kind == "decoy"), params
+        # the stop occurs in the reply, not in the text before the chosen token, and not before ``position``
+        fires = next(k for k in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:k]))
+        assert fires > position, (kind, position, stop, fires)
+        if kind == "partial":  # ends inside the token: the text through that token is longer than the match
+            assert not tokenizer.decode(ids[:fires]).rstrip().endswith(stop), (stop, tokenizer.decode(ids[:fires]))
+    # " one two three" repeats: a words stop there would fire at the first occurrence, so it is skipped
+    words = stop_params("words", ids, 6, tokenizer)["stop"][0]
+    assert tokenizer.decode(ids).count(words) == 1, words
+    with pytest.raises(AssertionError, match="no token stop fits"):
+        stop_params("token", [5, 5, 5, 5, 5, 5, 5], 1, tokenizer)
+
+
 def test_near_tie_parting_rule():
     def reply(ids, tops=None):
         return {"output_ids": ids, "meta_info": {} if tops is None else {"output_top_logprobs": tops}}
