@@ -46,6 +46,15 @@ def near_tie_parting(ref_ids: Sequence[int], ids: Sequence[int], ref_top: Sequen
     return next((j for lp, tok in ref_top[j] if tok == ids[j] and best - lp <= TIE_NATS), None)
 
 
+def agreeing_length(ref_ids: Sequence[int], ids: Sequence[int], ref_top: Sequence[TopChoices],
+                    near_ties: bool) -> int | None:
+    """How many leading tokens ``ids`` shares with the reference: all of ``ref_ids`` when the replies are equal, the
+    parting index when ``near_ties`` allows a near-tie parting there; None when ``ids`` is not accepted."""
+    if list(ids) == list(ref_ids):
+        return len(ref_ids)
+    return near_tie_parting(ref_ids, ids, ref_top) if near_ties else None
+
+
 def sglang_top(reply: dict) -> list[list[tuple[float, int]]]:
     """The top choices an SGLang /generate reply carries (``output_top_logprobs``), per output position."""
     return [[(lp, tok) for lp, tok, *_ in pos] for pos in reply["meta_info"].get("output_top_logprobs") or []]

@@ -113,11 +113,8 @@ def assert_matches_transformers(reference, got_ids: list[int], context, got_logp
     """The server's greedy reply equals transformers' (in bf16: up to a near-tie parting) and its logprobs agree
     within LOGPROB_ABS over the shared part."""
     want, want_lp, tops = reference
-    n = len(want)
-    if got_ids != want:
-        parting = compare.near_tie_parting(want, got_ids, tops) if BF16 else None
-        assert parting is not None, (context, want, got_ids)
-        n = parting
+    n = compare.agreeing_length(want, got_ids, tops, BF16)
+    assert n is not None, (context, want, got_ids)
     if got_logprobs is not None:
         torch.testing.assert_close(torch.tensor(got_logprobs[:n]), torch.tensor(want_lp[:n]), atol=LOGPROB_ABS,
                                    rtol=0)
@@ -261,7 +258,7 @@ def test_cpu_server_command_and_env():
         "SGLANG_USE_CPU_ENGINE": "1", "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0",
         "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     assert env["OMP_NUM_THREADS"] == "1"
-    assert server_dtype("float32", device="cpu") == ("bfloat16" if CPU_BF16 else "float32")
+    assert server_dtype("float32", device="cpu") == served
 
 
 def test_gpu_backend_switch_values():

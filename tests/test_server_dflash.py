@@ -63,14 +63,13 @@ def stop_params(kind: str, ids: list[int], position: int, tokenizer) -> dict:
     """Sampling-param overrides that stop the greedy reply ``ids`` at the first token from ``position`` on that can
     carry a ``kind`` stop (one that cannot fire earlier in the reply)."""
     for k in range(position, len(ids) - 4):
-        before = tokenizer.decode(ids[:k])
         if kind == "token":
             if ids[k] not in ids[:k]:
                 return {"stop_token_ids": [ids[k]]}
             continue
         text = tokenizer.decode(ids[k:k + 2]).strip() if kind in ("words", "decoy") else \
             tokenizer.decode(ids[k:k + 1]).strip()[:-1]
-        if len(text) >= 3 and text not in before and text in tokenizer.decode(ids[:k + 2]):
+        if len(text) >= 3 and text not in tokenizer.decode(ids[:k]) and text in tokenizer.decode(ids[:k + 2]):
             return {"stop": ["never in the output", text] if kind == "decoy" else [text]}
     raise AssertionError(f"no {kind} stop fits the reply {ids} after token {position}")
 
@@ -220,11 +219,8 @@ def near_tie_parting(want: dict, got: dict) -> int | None:
 def assert_same_reply(want: dict, got: dict, context) -> int:
     """The DFLASH reply equals the no-spec one (in bf16: up to a near-tie parting) and, where both carry decode
     logprobs, they agree within LOGPROB_ABS over the shared part, whose length is returned."""
-    n = len(want["output_ids"])
-    if got["output_ids"] != want["output_ids"]:
-        parting = near_tie_parting(want, got) if BF16 else None
-        assert parting is not None, (context, want["output_ids"], got["output_ids"])
-        n = parting
+    n = compare.agreeing_length(want["output_ids"], got["output_ids"], compare.sglang_top(want), BF16)
+    assert n is not None, (context, want["output_ids"], got["output_ids"])
     if "output_token_logprobs" in want["meta_info"] and "output_token_logprobs" in got["meta_info"]:
         w = [lp for lp, _, _ in want["meta_info"]["output_token_logprobs"][:n]]
         g = [lp for lp, _, _ in got["meta_info"]["output_token_logprobs"][:n]]
@@ -385,6 +381,12 @@ def test_near_tie_parting_rule():
     assert near_tie_parting(want, reply([5, 7, 9])) is None  # no parting at all
     assert near_tie_parting(want, reply([5, 7])) is None  # a prefix: cut short, not parted
     assert near_tie_parting(reply([5, 7, 9]), reply([5, 8, 9])) is None  # no logprobs to judge by
+    # agreeing_length: the shared length both helpers compare logprobs over
+    top = compare.sglang_top(want)
+    assert compare.agreeing_length([5, 7, 9], [5, 7, 9], top, near_ties=False) == 3
+    assert compare.agreeing_length([5, 7, 9], [5, 8, 4], top, near_ties=True) == 1
+    assert compare.agreeing_length([5, 7, 9], [5, 8, 4], top, near_ties=False) is None  # float32: exact only
+    assert compare.agreeing_length([5, 7, 9], [6, 7, 9], top, near_ties=True) is None
 
 
 def test_bf16_divergences_are_near_ties(target, drafter, loader_prompts, tmp_path):

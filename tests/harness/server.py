@@ -97,9 +97,9 @@ def gpu_backend_from_env(environ: Mapping[str, str] = os.environ) -> str:
 
 # The attention backend of every GPU server of this test run, and whether they run deterministic inference.
 GPU_BACKEND = gpu_backend_from_env()
-GPU_DETERMINISTIC = os.environ.get(GPU_DETERMINISTIC_ENV_VAR, "0") == "1"
+GPU_DETERMINISTIC = _env_choice(os.environ, GPU_DETERMINISTIC_ENV_VAR, ("0", "1"), "switch") == "1"
 # CPU servers (and the transformers references of the tests) serve float32 as bfloat16, as GPU mode does.
-CPU_BF16 = os.environ.get(BF16_ENV_VAR, "0") == "1"
+CPU_BF16 = _env_choice(os.environ, BF16_ENV_VAR, ("0", "1"), "switch") == "1"
 
 # Flags every GPU server gets unless ``extra_args`` names the same option.
 #   --attention-backend GPU_BACKEND (see the module docstring).
