@@ -113,6 +113,53 @@ def test_unsupported_flags_fail_with_the_fix(draft_dir, overrides, message):
     assert str(err.value).startswith("sglang-dflash:")
 
 
+def test_default_attention_backend_is_one_dflash_serves():
+    from sglang.srt.utils import is_flashinfer_available
+
+    from sglang_dflash.adapter.server_args import _SUPPORTED_BACKENDS, default_attention_backend
+
+    cuda, cpu = SimpleNamespace(device="cuda"), SimpleNamespace(device="cpu")
+    for backend in _SUPPORTED_BACKENDS:
+        assert default_attention_backend(cuda, backend) == backend  # SGLang's choice kept where we serve it
+    gpu_fallback = "flashinfer" if is_flashinfer_available() else "triton"
+    assert [default_attention_backend(cuda, b) for b in ("fa3", "trtllm_mha", "fa4")] == [gpu_fallback] * 3
+    assert default_attention_backend(cpu, "intel_amx") == "torch_native"
+
+
+def test_launch_without_attention_backend_gets_a_served_default_on_hopper():
+    """`launch_server --speculative-algorithm DFLASH` with no --attention-backend on an H100/H200: SGLang's default
+    there is fa3, which the worker does not serve; the plugin's hook picks a supported backend for DFLASH only.
+    Runs in a subprocess: installing hooks patches SGLang process-wide."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import os
+        from types import SimpleNamespace
+        from sglang_dflash.adapter import hooks
+        hooks.install()
+        from sglang.srt.plugins.hook_registry import HookRegistry
+        HookRegistry.apply_hooks()
+        import sglang.srt.server_args as sa
+        sa.is_hopper_with_cuda_12_3 = lambda: True  # what an H100/H200 with CUDA >= 12.3 reports
+        cfg = SimpleNamespace(hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"]), has_attention_sinks=False)
+        def default(algo):
+            args = SimpleNamespace(speculative_algorithm=algo, speculative_eagle_topk=None, page_size=None, device="cuda")
+            return sa.ServerArgs._get_default_attn_backend(args, False, cfg)
+        print("DEFAULTS", default("DFLASH"), default(None), default("EAGLE"))
+        os.environ[hooks.IMPL_ENV] = "builtin"
+        print("BUILTIN", default("DFLASH"))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    from sglang.srt.utils import is_flashinfer_available
+
+    served = "flashinfer" if is_flashinfer_available() else "triton"
+    assert f"DEFAULTS {served} fa3 fa3" in out.stdout, out.stdout
+    assert "BUILTIN fa3" in out.stdout, out.stdout
+
+
 def test_draft_state_filter_and_merge():
     from sglang_dflash.adapter.spec_inputs import DFlashDraftState
 

@@ -30,6 +30,7 @@ EXPECTED_SIGNATURES = {
     "sglang.srt.model_executor.model_runner.ModelRunner.forward": ["self", "forward_batch"],
     "sglang.srt.speculative.dflash_utils.validate_dflash_request": ["req", "enable_overlap"],
     "sglang.srt.arg_groups.speculative_hook.handle_speculative_decoding": ["server_args"],
+    "sglang.srt.server_args.ServerArgs._get_default_attn_backend": ["self", "use_mla_backend", "model_config"],
     "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation": [
         "self", "batch", "forward_batch", "pp_proxy_tensors", "is_verify", "skip_attn_backend_init",
         "capture_hidden_mode"],
@@ -95,6 +96,9 @@ def install() -> None:
         "sglang.srt.arg_groups.speculative_hook.handle_speculative_decoding", _check_draft_first, HookType.BEFORE
     )
     HookRegistry.register(
+        "sglang.srt.server_args.ServerArgs._get_default_attn_backend", _default_attn_backend, HookType.AROUND
+    )
+    HookRegistry.register(
         "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.handle_server_args",
         _handle_server_args, HookType.AROUND,
     )
@@ -119,6 +123,21 @@ def _handle_server_args(original, algo, server_args):
     from sglang_dflash.adapter.server_args import resolve_server_args
 
     resolve_server_args(server_args)
+
+
+def _default_attn_backend(original, server_args, *args, **kwargs):
+    """With no --attention-backend, SGLang picks a default per GPU (fa3 on Hopper); for DFLASH served by
+    sglang-dflash, one this worker supports instead (`default_attention_backend`), logged once."""
+    backend = original(server_args, *args, **kwargs)
+    if (server_args.speculative_algorithm or "").upper() != "DFLASH" or selected_impl() != "sglang_dflash":
+        return backend
+    from sglang_dflash.adapter.server_args import default_attention_backend
+
+    chosen = default_attention_backend(server_args, backend)
+    if chosen != backend:
+        logger.info("sglang-dflash: no --attention-backend given and SGLang's default here (%s) is not one "
+                    "sglang-dflash serves DFLASH with; using %s.", backend, chosen)
+    return chosen
 
 
 def _check_draft_first(server_args):

@@ -26,6 +26,19 @@ def load_draft_config(server_args) -> DFlashDraftConfig:
         raise ValueError(f"sglang-dflash: cannot use draft {server_args.speculative_draft_model_path!r}: {e}") from e
 
 
+def default_attention_backend(server_args, sglang_default: str) -> str:
+    """The attention backend DFLASH runs with when the user chose none: SGLang's own default where sglang-dflash
+    supports it; otherwise (fa3 on Hopper, trtllm_mha / fa4 on Blackwell, aiter on ROCm, intel_amx on x86 CPUs)
+    torch_native on CPU, flashinfer on CUDA when installed, else triton."""
+    if sglang_default in _SUPPORTED_BACKENDS:
+        return sglang_default
+    if (server_args.device or "cuda") == "cpu":
+        return "torch_native"
+    from sglang.srt.utils import is_flashinfer_available, is_hip
+
+    return "flashinfer" if is_flashinfer_available() and not is_hip() else "triton"
+
+
 def resolve_server_args(server_args) -> None:
     """Validate flags and the draft checkpoint; fix block size, steps and scheduling mode."""
     dcfg = load_draft_config(server_args)
