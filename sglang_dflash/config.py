@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
@@ -29,6 +30,42 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 class DFlashConfigError(ValueError):
     """A DFlash draft config / checkpoint is malformed or does not fit the target model."""
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def resolve_draft_dir(path: str | os.PathLike, revision: Optional[str] = None, weights: bool = False) -> str:
+    """The local directory of the draft at ``path``.
+
+    A local directory (or ``config.json`` file) is returned as is. Anything shaped like a Hugging Face Hub repo
+    id (``org/name``, e.g. ``z-lab/Qwen3-8B-DFlash-b16``) that is not a local path is fetched into the HF cache
+    through transformers (``HF_HUB_OFFLINE=1``: from the cache only): its ``config.json`` and, with ``weights``,
+    its safetensors (index + shards); the snapshot directory is returned."""
+    path = os.fspath(path)
+    if os.path.exists(path) or not _HUB_ID.match(path):
+        return path
+    from transformers.utils import cached_file
+
+    try:
+        config = cached_file(path, "config.json", revision=revision)
+        if weights:
+            index = cached_file(path, "model.safetensors.index.json", revision=revision,
+                                _raise_exceptions_for_missing_entries=False)
+            if index is None:
+                shards = ["model.safetensors"]
+            else:
+                with open(index) as f:
+                    shards = sorted(set(json.load(f)["weight_map"].values()))
+            for shard in shards:
+                cached_file(path, shard, revision=revision)
+    except OSError as e:
+        raise DFlashConfigError(
+            f"{path!r} is not a local directory, and fetching it as a Hugging Face Hub repo failed ({e}). Pass a "
+            "directory containing a z-lab style config.json and safetensors weights, or the id of such a Hub repo "
+            "(e.g. z-lab/Qwen3-8B-DFlash-b16)."
+        ) from e
+    return os.path.dirname(config)
 
 
 def select_target_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -241,9 +278,10 @@ class DFlashDraftConfig:
         )
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> "DFlashDraftConfig":
-        """Read ``path/config.json`` (``path`` may also be the json file itself)."""
-        path = os.fspath(path)
+    def from_pretrained(cls, path: str | os.PathLike, revision: Optional[str] = None) -> "DFlashDraftConfig":
+        """Read ``path/config.json`` (``path`` may also be the json file itself, or a Hugging Face Hub repo id:
+        :func:`resolve_draft_dir`)."""
+        path = resolve_draft_dir(path, revision)
         cfg_file = path if path.endswith(".json") else os.path.join(path, "config.json")
         if not os.path.isfile(cfg_file):
             raise DFlashConfigError(

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import DFlashConfigError, DFlashDraftConfig
+from .config import DFlashConfigError, DFlashDraftConfig, resolve_draft_dir
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -348,8 +348,9 @@ def check_draft_state(model: DFlashDraftModel, state: dict[str, torch.Tensor], s
 
 
 def load_draft(path: str | os.PathLike, device=None, dtype: Optional[torch.dtype] = None) -> DFlashDraftModel:
-    """Load a z-lab format draft (config.json + safetensors, possibly sharded). dtype None -> config torch_dtype."""
-    path = os.fspath(path)
+    """Load a z-lab format draft (config.json + safetensors, possibly sharded) from a directory or a Hugging Face
+    Hub repo id (:func:`~sglang_dflash.config.resolve_draft_dir`). dtype None -> config torch_dtype."""
+    path = resolve_draft_dir(path, weights=True)
     cfg = DFlashDraftConfig.from_pretrained(path)
     state = _read_state_dict(path)
     model = DFlashDraftModel(cfg)

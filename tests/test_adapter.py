@@ -78,7 +78,8 @@ def draft_dir(tmp_path_factory):
 
 
 def _args(draft, **overrides):
-    args = dict(speculative_draft_model_path=str(draft), tp_size=1, pp_size=1, dp_size=1, page_size=1,
+    args = dict(speculative_draft_model_path=str(draft), speculative_draft_model_revision=None, tp_size=1, pp_size=1,
+                dp_size=1, page_size=1,
                 speculative_draft_window_size=None, attention_backend=None, speculative_eagle_topk=None,
                 speculative_num_steps=None, speculative_dflash_block_size=None, speculative_num_draft_tokens=None,
                 disable_overlap_schedule=False)

@@ -234,6 +234,42 @@ def test_save_load_round_trip(tmp_path, max_shard_mb):
     assert half.dtype == torch.bfloat16 and half.inv_freq(torch.device("cpu")).dtype == torch.float32
 
 
+@pytest.mark.parametrize("max_shard_mb", [15, 0.01])
+def test_hub_repo_id_loads_from_the_hf_cache(tmp_path, max_shard_mb):
+    """A draft named by its Hugging Face Hub id (as users pass z-lab's checkpoints) resolves through the HF cache:
+    offline (HF_HUB_OFFLINE=1) from a cache laid out as huggingface_hub writes it; a missing repo fails with both
+    readings of the path named. In a subprocess: huggingface_hub reads its cache/offline settings at import."""
+    import subprocess
+    import sys
+
+    model = _random_model(_cfg(), seed=7)
+    snapshot = tmp_path / "hub" / "models--someone--tiny-dflash" / "snapshots" / ("ab" * 20)
+    save_draft(model, snapshot, max_shard_mb=max_shard_mb)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("ab" * 20)
+    torch.save(model.state_dict(), tmp_path / "want.pt")
+    code = f"""
+import torch
+from sglang_dflash.config import DFlashConfigError, DFlashDraftConfig
+from sglang_dflash.model import load_draft
+assert DFlashDraftConfig.from_pretrained("someone/tiny-dflash").block_size == 4
+want = torch.load({str(tmp_path / "want.pt")!r})
+got = load_draft("someone/tiny-dflash").state_dict()
+assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+for missing, words in (("someone/missing-dflash", ("not a local directory", "Hub repo")),
+                       ({str(tmp_path / "no_such_dir")!r}, ("no config.json at",))):
+    try:
+        DFlashDraftConfig.from_pretrained(missing)
+        raise SystemExit("no error for " + missing)
+    except DFlashConfigError as e:
+        assert all(w in str(e) for w in words), str(e)
+print("HUB_OK")
+"""
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and "HUB_OK" in out.stdout, out.stderr[-3000:]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_context_kv_equals_per_layer_projection(dtype):
     """context_kv (one GEMM + one norm + one RoPE for all layers) == each layer's own kv()."""

@@ -21,7 +21,8 @@ def load_draft_config(server_args) -> DFlashDraftConfig:
         _fail("--speculative-algorithm DFLASH needs a draft model",
               "Add --speculative-draft-model-path DIR (a z-lab format DFlash draft).")
     try:
-        return DFlashDraftConfig.from_pretrained(server_args.speculative_draft_model_path)
+        return DFlashDraftConfig.from_pretrained(server_args.speculative_draft_model_path,
+                                                 server_args.speculative_draft_model_revision)
     except (DFlashConfigError, OSError) as e:
         raise ValueError(f"sglang-dflash: cannot use draft {server_args.speculative_draft_model_path!r}: {e}") from e
 

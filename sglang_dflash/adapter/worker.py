@@ -61,7 +61,8 @@ class DFlashWorker(BaseSpecWorker):
         self.device = target_worker.device
         self.block_size = int(server_args.speculative_num_draft_tokens)
 
-        self.dcfg = DFlashDraftConfig.from_pretrained(server_args.speculative_draft_model_path)
+        self.dcfg = DFlashDraftConfig.from_pretrained(server_args.speculative_draft_model_path,
+                                                      server_args.speculative_draft_model_revision)
         self.dcfg.validate_target(self.target_runner.model_config.hf_config)
         target = self.target_runner.model
         if not hasattr(target, "set_dflash_layers_to_capture"):
