@@ -668,6 +668,28 @@ def test_broken_draft_fails_startup(case, broken_startup_logs, target):
     assert expected in log, f"expected {expected!r} in the log of the failed start; tail:\n{tail}"
 
 
+def test_draft_by_hub_repo_id_serves_from_the_hf_cache(target, drafter, dflash, loader_prompts, tmp_path):
+    """--speculative-draft-model-path as a Hugging Face Hub repo id (how z-lab's drafts are named), offline from an
+    HF cache laid out as huggingface_hub writes it: the server starts and its greedy replies equal those of the
+    module's DFLASH server, which loads the same draft from its directory (one request at a time on both)."""
+    commit = "cd" * 20
+    repo = tmp_path / "hub" / "models--someone--dflash-draft"
+    shutil.copytree(drafter[0], repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    payloads = [{"input_ids": loader_prompts[name][0], "sampling_params": {"temperature": 0.0, "max_new_tokens": 24}}
+                for name in ("mtbench", "gsm8k")]
+    spec = {"hub": (target, [*SERVER_ARGS, *dflash_args("someone/dflash-draft")],
+                    {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})}
+    with launch_servers(spec, log_dir=tmp_path / "logs") as servers:
+        got = generate_all(servers["hub"], payloads, threads=1)
+        assert "DFLASH served by sglang-dflash" in servers["hub"].log_text()
+    want = generate_all(dflash, payloads, threads=1)
+    for w, g in zip(want, got):
+        assert g["output_ids"] == w["output_ids"]
+        assert g["meta_info"]["spec_verify_ct"] < g["meta_info"]["completion_tokens"]  # speculation ran
+
+
 # ----------------------------------------------------------------------------------------------- 7. prompt scoring, custom logit processors
 
 
