@@ -117,6 +117,11 @@ def _ours(algo) -> bool:
     return algo.is_dflash() and selected_impl() == "sglang_dflash"
 
 
+def _ours_by_args(server_args) -> bool:
+    """`_ours` from raw server args (before SGLang has parsed the algorithm name)."""
+    return (server_args.speculative_algorithm or "").upper() == "DFLASH" and selected_impl() == "sglang_dflash"
+
+
 def _handle_server_args(original, algo, server_args):
     if not _ours(algo):
         return original(algo, server_args)
@@ -127,9 +132,9 @@ def _handle_server_args(original, algo, server_args):
 
 def _default_attn_backend(original, server_args, *args, **kwargs):
     """With no --attention-backend, SGLang picks a default per GPU (fa3 on Hopper); for DFLASH served by
-    sglang-dflash, one this worker supports instead (`default_attention_backend`), logged once."""
+    sglang-dflash, one this worker supports instead (`default_attention_backend`), logged."""
     backend = original(server_args, *args, **kwargs)
-    if (server_args.speculative_algorithm or "").upper() != "DFLASH" or selected_impl() != "sglang_dflash":
+    if not _ours_by_args(server_args):
         return backend
     from sglang_dflash.adapter.server_args import default_attention_backend
 
@@ -142,8 +147,7 @@ def _default_attn_backend(original, server_args, *args, **kwargs):
 
 def _check_draft_first(server_args):
     """Before SGLang reads the draft's config (it would fail with a generic message), check it is a DFlash draft."""
-    algo = (server_args.speculative_algorithm or "").upper()
-    if algo == "DFLASH" and selected_impl() == "sglang_dflash":
+    if _ours_by_args(server_args):
         from sglang_dflash.adapter.server_args import load_draft_config
 
         load_draft_config(server_args)
