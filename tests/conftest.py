@@ -16,6 +16,12 @@ from sglang_dflash.config import DFlashDraftConfig
 TINY_VOCAB = 128
 TINY_MASK_ID = TINY_VOCAB - 1
 
+# The bundled drafter's accept length is tested (reference engine and SGLang server) with the protocol of
+# benchmarks/RESULTS.md's tau table -- greedy, block 16, 128 new tokens, held-out MT-Bench / HumanEval / GSM8K --
+# on the first TAU_PROMPTS_PER_SET prompts of each set.
+TAU_PROMPTS_PER_SET = 3
+TAU_NEW_TOKENS = 128
+
 
 def make_tiny_target(family: str = "qwen3", seed: int = 0, **overrides):
     """A random HF causal LM (``"qwen3"`` or ``"llama"``): 6 layers, hidden 32, GQA 4/2 heads, vocab 128."""

@@ -8,7 +8,8 @@ import itertools
 import pytest
 import torch
 
-from conftest import TINY_MASK_ID, TINY_VOCAB, make_draft_config, make_tiny_target
+from conftest import (TAU_NEW_TOKENS, TAU_PROMPTS_PER_SET, TINY_MASK_ID, TINY_VOCAB, make_draft_config,
+                      make_tiny_target)
 from sglang_dflash.hf import DFlashLM, target_generate_baseline
 from sglang_dflash.model import DFlashDraftModel, save_draft
 from sglang_dflash.verify import target_probs
@@ -382,12 +383,6 @@ def test_smollm2_greedy_equals_target(smollm2, block_size):
     assert out.sequences == expected
 
 
-# tau of the committed drafter is measured like benchmarks/RESULTS.md's reference-engine table (greedy, block 16,
-# 128 new tokens, held-out MT-Bench / HumanEval / GSM8K), on the first BUNDLED_PROMPTS prompts of each set.
-BUNDLED_PROMPTS = 3
-BUNDLED_NEW_TOKENS = 128
-
-
 @pytest.fixture(scope="module")
 def bundled_run(smollm2):
     """The committed drafter on held-out prompts: (DFlashOutput, target greedy sequences)."""
@@ -399,12 +394,12 @@ def bundled_run(smollm2):
 
     target, _, stops, _ = smollm2
     tok = AutoTokenizer.from_pretrained(smollm2_path())
-    texts = [t for name in data.EVAL_DATASETS for t in data.eval_prompts(name, BUNDLED_PROMPTS)]
+    texts = [t for name in data.EVAL_DATASETS for t in data.eval_prompts(name, TAU_PROMPTS_PER_SET)]
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
                                        return_dict=True)["input_ids"] for t in texts]
     lm = DFlashLM(target, load_draft(bundled_drafter_path(), dtype=torch.float32).eval())
-    out = lm.generate(prompts, max_new_tokens=BUNDLED_NEW_TOKENS, stop_token_ids=stops)
-    base = lm.target_generate_baseline(prompts, max_new_tokens=BUNDLED_NEW_TOKENS, stop_token_ids=stops)
+    out = lm.generate(prompts, max_new_tokens=TAU_NEW_TOKENS, stop_token_ids=stops)
+    base = lm.target_generate_baseline(prompts, max_new_tokens=TAU_NEW_TOKENS, stop_token_ids=stops)
     return out, base.sequences
 
 

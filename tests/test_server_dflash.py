@@ -24,6 +24,7 @@ import requests
 from sglang_dflash import compare
 from sglang_dflash.compare import REFERENCE_LOGPROBS, first_difference
 from harness.server import expect_startup_failure, server_dtype
+from conftest import TAU_NEW_TOKENS, TAU_PROMPTS_PER_SET
 from server_fixtures import COMMON_ARGS, SERVER_ENV, dflash_args, drafter_for_tests, launch_servers, nccl_port_args
 
 pytestmark = pytest.mark.server
@@ -420,17 +421,11 @@ def test_bf16_divergences_are_near_ties(target, drafter, loader_prompts, tmp_pat
     assert checked >= len(payloads) * MAX_NEW_TOKENS // 2, (checked, parted)
 
 
-# The accept length is measured like benchmarks/RESULTS.md's tau table (greedy, 128 new tokens, held-out
-# MT-Bench / HumanEval / GSM8K) on the first ACCEPT_PROMPTS prompts of each set.
-ACCEPT_PROMPTS = 3
-ACCEPT_NEW_TOKENS = 128
-
-
 def test_accept_length_with_trained_drafter(drafter, loader_prompts, dflash):
     """Mean accept length (SGLang's definition: completion_tokens / spec_verify_ct, aggregated over the requests)
     must exceed 2 with the bundled drafter; the server's running average must report speculation."""
-    payloads = [{"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": ACCEPT_NEW_TOKENS}}
-                for prompts in loader_prompts.values() for ids in prompts[:ACCEPT_PROMPTS]]
+    payloads = [{"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": TAU_NEW_TOKENS}}
+                for prompts in loader_prompts.values() for ids in prompts[:TAU_PROMPTS_PER_SET]]
     meta = [reply["meta_info"] for reply in generate_all(dflash, payloads)]
     accept_len = sum(m["completion_tokens"] for m in meta) / sum(m["spec_verify_ct"] for m in meta)
     server_avg = dflash.get_server_info()["internal_states"][0]["avg_spec_accept_length"]
