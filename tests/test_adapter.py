@@ -200,26 +200,21 @@ def test_mismatched_sglang_refuses_dflash_only():
     assert "sglang==9.9 installed" in out.stdout and "SGLANG_DFLASH_IMPL=builtin" in out.stdout
 
 
-def test_sync_free_plans_switch_only_captured_single_wrapper_fa2_plans():
+def test_sync_free_plans_switch_only_planned_fa2_wrappers():
     from sglang.srt.layers.attention.flashinfer_backend import fast_prefill_plan
 
-    from sglang_dflash.adapter.worker import sync_free_plans
+    from sglang_dflash.adapter.step_graphs import sync_free_plans
 
     def wrapper(backend="fa2", cached=True):
         w = SimpleNamespace(_backend=backend, _cached_module=object() if cached else None)
         w.begin_forward = "plan"
         return w
 
-    captured = {1: [wrapper()], 4: [wrapper()], 8: [wrapper(backend="fa3")], 16: [wrapper(cached=False)]}
-    backend = SimpleNamespace(num_wrappers=1, prefill_cuda_graph_metadata=captured)
-    assert sync_free_plans(backend) == 2
-    for bs in (1, 4):
-        (w,) = captured[bs]
+    wrappers = [wrapper(), wrapper(backend="fa3"), wrapper(cached=False), wrapper()]
+    assert sync_free_plans(wrappers) == 2
+    for w in (wrappers[0], wrappers[3]):
         assert w.begin_forward.func is fast_prefill_plan and w.begin_forward.args == (w,)
-    assert captured[8][0].begin_forward == captured[16][0].begin_forward == "plan"
-    sliding = SimpleNamespace(num_wrappers=2, prefill_cuda_graph_metadata={1: [wrapper(), wrapper()]})
-    assert sync_free_plans(sliding) == 0
-    assert all(w.begin_forward == "plan" for w in sliding.prefill_cuda_graph_metadata[1])
+    assert wrappers[1].begin_forward == wrappers[2].begin_forward == "plan"
 
 
 def test_padded_rows_picks_the_smallest_captured_size():

@@ -24,12 +24,11 @@ Prefill is the target's own extend with hidden-state capture, followed by
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
-from functools import partial
 
 import torch
 
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
@@ -44,6 +43,7 @@ from sglang_dflash.adapter.commit_graphs import CommitGraphs
 from sglang_dflash.adapter.draft_model import SGLangDFlashDraft
 from sglang_dflash.adapter.profiling import PhaseTimer
 from sglang_dflash.adapter.spec_inputs import DFlashBlockInput, DFlashDraftState
+from sglang_dflash.adapter.step_graphs import StepGraphs
 from sglang_dflash.config import DFlashDraftConfig
 from sglang_dflash.kernels.accept import accept_tokens
 from sglang_dflash.kernels.block_builder import build_block
@@ -92,6 +92,7 @@ class DFlashWorker(BaseSpecWorker):
         self.timer = PhaseTimer.from_env(self.device)
         self.output_counts = None  # OutputCounts for the penalties, made at the first penalized step (logits width)
         self.commit_block_kv = self.commit_kv  # CommitGraphs once the CUDA graphs are captured (init_cuda_graphs)
+        self.step_graphs: StepGraphs | None = None  # the whole step as CUDA graphs (init_cuda_graphs, FlashInfer)
         logger.info(
             "DFLASH served by sglang-dflash (block_size=%d, target_layer_ids=%s, mask_token_id=%d, "
             "attention_backend=%s)",
@@ -115,21 +116,23 @@ class DFlashWorker(BaseSpecWorker):
 
     # ---- SGLang worker plumbing -------------------------------------------------------
     def init_cuda_graphs(self):
-        """Capture the draft's graphs (the target's are captured by its own worker first) and the decode step's
-        commit_kv for the same batch sizes; on FlashInfer, make the captured verify-shaped graphs of both runners
-        plan without a host sync (see `sync_free_plans`)."""
+        """Capture the draft runner's graphs (the target's are captured by its own worker first), then, for the
+        same batch sizes, the decode step: whole on FlashInfer (`StepGraphs`), else its commit_kv (`CommitGraphs`)."""
         super().init_cuda_graphs()
-        if not str(self.device).startswith("cuda") or self.draft_runner.decode_cuda_graph_runner is None:
+        runners = (self.target_runner, self.draft_runner)
+        if not str(self.device).startswith("cuda") or any(r.decode_cuda_graph_runner is None for r in runners):
             return
-        graph_runner = self.draft_runner.decode_cuda_graph_runner
+        sizes = sorted(set.intersection(*(set(r.decode_cuda_graph_runner.capture_bs) for r in runners)))
+        if self.backend == "flashinfer" and all(r.attn_backend.num_wrappers == 1 for r in runners):
+            self.step_graphs = StepGraphs(self, sizes)
+            logger.info("sglang-dflash: decode step captured as one CUDA graph for batch sizes %s "
+                        "(sync-free attention plans: %s)", sizes, self.step_graphs.sync_free)
+            return
         hidden = self.target_runner.model_config.hf_text_config.hidden_size
         self.commit_block_kv = CommitGraphs(
-            self.commit_kv, graph_runner.capture_bs, self.block_size, len(self.dcfg.target_layer_ids) * hidden,
+            self.commit_kv, sizes, self.block_size, len(self.dcfg.target_layer_ids) * hidden,
             self.embed.weight.dtype, torch.int64, self.device)  # out_cache_loc from build_block is int64
-        logger.info("sglang-dflash: commit_kv captured for batch sizes %s", list(graph_runner.capture_bs))
-        if self.backend == "flashinfer":
-            n = sum(sync_free_plans(runner.attn_backend) for runner in (self.target_runner, self.draft_runner))
-            logger.info("sglang-dflash: %d captured verify/draft graph wrappers plan without a host sync", n)
+        logger.info("sglang-dflash: commit_kv captured for batch sizes %s", sizes)
 
     @property
     def spec_v2_attn_backends(self) -> tuple:
@@ -154,16 +157,12 @@ class DFlashWorker(BaseSpecWorker):
             return self.idle()
         state: DFlashDraftState = batch.spec_info
         t = self.timer.start_step(batch.batch_size())
-        with t("build_block"):
-            block = self.build_block(batch, state)
-        with t("draft"):
-            draft_tokens = self.draft(batch, block)
-        with t("verify"):
-            logits_output, can_run_graph = self.verify(batch, block, draft_tokens)
-        with t("accept"):
-            accept_lens, bonus, committed, new_seq_lens = self.accept(batch, draft_tokens, logits_output)
-        with t("commit_kv"):
-            self.commit_block_kv(logits_output.hidden_states, block.positions, block.out_cache_loc)
+        if self.step_graphs is not None and self.step_graphs.padded_size(batch.batch_size()) is not None:
+            draft_tokens, logits_output, accepted = self.graph_step(batch, state, t)
+            can_run_graph = True
+        else:
+            draft_tokens, logits_output, accepted, can_run_graph = self.phase_step(batch, state, t)
+        accept_lens, bonus, committed, new_seq_lens = accepted
         if batch.return_logprob:
             self.attach_logprobs(batch, logits_output, committed)
         self.timer.end_step()
@@ -177,6 +176,35 @@ class DFlashWorker(BaseSpecWorker):
             speculative_num_draft_tokens=self.block_size,
             new_seq_lens=new_seq_lens,
         )
+
+    def phase_step(self, batch, state: DFlashDraftState, t):
+        """build_block -> draft -> verify -> accept -> commit_kv, each phase its own launches (the forwards
+        replay SGLang's per-runner graphs where they can)."""
+        with t("build_block"):
+            block = self.build_block(batch, state)
+        with t("draft"):
+            draft_tokens = self.draft(batch, block)
+        with t("verify"):
+            logits_output, can_run_graph = self.verify(batch, block, draft_tokens)
+        with t("accept"):
+            accepted = self.accept(batch, draft_tokens, logits_output)
+        with t("commit_kv"):
+            self.commit_block_kv(logits_output.hidden_states, block.positions, block.out_cache_loc)
+        return draft_tokens, logits_output, accepted, can_run_graph
+
+    def graph_step(self, batch, state: DFlashDraftState, t):
+        """The same phases replayed as one CUDA graph (`StepGraphs`); its greedy accept is used unless the
+        batch needs more (sampling, grammars, penalties, logit processors), which accept on its logits."""
+        with t("step_graph"):
+            out = self.step_graphs.replay(batch, state.bonus_tokens)
+        logits_output = LogitsProcessorOutput(next_token_logits=out.logits)
+        with t("accept"):
+            if self.plain_greedy(batch):
+                accepted = tuple(x.clone() for x in (out.accept_lens, out.bonus_tokens, out.committed,
+                                                     out.new_seq_lens))
+            else:
+                accepted = self.accept(batch, out.draft_tokens, logits_output)
+        return out.draft_tokens, logits_output, accepted
 
     def prefill(self, batch) -> GenerationBatchResult:
         out = self.target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
@@ -236,10 +264,14 @@ class DFlashWorker(BaseSpecWorker):
         fb = self._forward_batch(batch, block, block.input_ids, CaptureHiddenMode.NULL)
         fb.input_embeds = self.embed(block.input_ids)
         hidden = self.draft_runner.forward(fb).logits_output.hidden_states
-        bs, B = batch.batch_size(), self.block_size
-        hidden = hidden.view(bs, B, -1)[:, 1:]
-        proposals = torch.matmul(hidden, self.lm_head_weight.t()).argmax(dim=-1)
-        return torch.cat([block.input_ids.view(bs, B)[:, :1], proposals], dim=1)
+        return self.propose(hidden, block.input_ids, batch.batch_size())
+
+    def propose(self, hidden: torch.Tensor, input_ids: torch.Tensor, bs: int) -> torch.Tensor:
+        """Draft hidden states [bs * B, H] and block input_ids [bs * B] -> draft_tokens [bs, B]: column 0 = the
+        bonus token, 1.. = argmax of the target's lm_head."""
+        B = self.block_size
+        proposals = torch.matmul(hidden.view(bs, B, -1)[:, 1:], self.lm_head_weight.t()).argmax(dim=-1)
+        return torch.cat([input_ids.view(bs, B)[:, :1], proposals], dim=1)
 
     def verify(self, batch, block: "_Block", draft_tokens: torch.Tensor):
         fb = self._forward_batch(batch, block, draft_tokens.reshape(-1), CaptureHiddenMode.FULL)
@@ -255,16 +287,30 @@ class DFlashWorker(BaseSpecWorker):
         info = batch.sampling_info
         if info.has_custom_logit_processor:
             self.apply_custom_processors(info, draft_tokens, logits_output.next_token_logits)
+        seq_lens = batch.seq_lens.to(torch.int64)
         if info.is_all_greedy:
-            target_tokens = logits.argmax(dim=-1)
-        else:
-            probs = target_probs(logits, info.temperatures.view(-1), info.top_ks.view(-1),
-                                 info.top_ps.view(-1), info.min_ps.view(-1),
-                                 needs_filter=info.need_top_p_sampling or info.need_top_k_sampling
-                                 or info.need_min_p_sampling,
-                                 any_greedy=False)  # SGLang encodes greedy rows as top_k=1, temperature 1
-            target_tokens = sample_predictions(draft_tokens, probs)
-        return accept_tokens(draft_tokens, target_tokens, batch.seq_lens.to(torch.int64))
+            return self.greedy_accept(draft_tokens, logits, seq_lens)
+        probs = target_probs(logits, info.temperatures.view(-1), info.top_ks.view(-1),
+                             info.top_ps.view(-1), info.min_ps.view(-1),
+                             needs_filter=info.need_top_p_sampling or info.need_top_k_sampling
+                             or info.need_min_p_sampling,
+                             any_greedy=False)  # SGLang encodes greedy rows as top_k=1, temperature 1
+        return accept_tokens(draft_tokens, sample_predictions(draft_tokens, probs), seq_lens)
+
+    def greedy_accept(self, draft_tokens: torch.Tensor, logits: torch.Tensor, seq_lens: torch.Tensor):
+        """draft_tokens [bs, B], verify logits [bs * B, V] (or [bs, B, V]), seq_lens [bs] int64 -> accept_tokens'
+        (accept_lens, bonus_tokens, committed, new_seq_lens) with the target's argmax as its choice."""
+        bs, B = draft_tokens.shape
+        return accept_tokens(draft_tokens, logits.view(bs, B, -1).argmax(dim=-1), seq_lens)
+
+    def plain_greedy(self, batch) -> bool:
+        """True when accept is the target's argmax alone: all greedy, no grammar, logit bias, min_new_tokens,
+        penalties or custom logit processors (what `accept` would otherwise apply)."""
+        info = batch.sampling_info
+        if not info.is_all_greedy or batch.has_grammar or info.has_custom_logit_processor or info.logit_bias is not None:
+            return False
+        short, penalized = _short_and_penalized(batch.reqs)
+        return not short and not penalized
 
     def apply_grammar(self, batch, draft_tokens: torch.Tensor, logits: torch.Tensor) -> None:
         """Constrained decoding (regex / JSON schema / EBNF / structural tags): block position k of a request with a
@@ -288,8 +334,7 @@ class DFlashWorker(BaseSpecWorker):
         stop ids and its EOS)."""
         bias = batch.sampling_info.logit_bias
         reqs = batch.reqs
-        short = [i for i, r in enumerate(reqs) if r.sampling_params.min_new_tokens > len(r.output_ids)]
-        penalized = [i for i, r in enumerate(reqs) if _has_penalty(r.sampling_params)]
+        short, penalized = _short_and_penalized(reqs)
         if bias is None and not short and not penalized:
             return
         bs, _, vocab = logits.shape
@@ -352,33 +397,6 @@ class DFlashWorker(BaseSpecWorker):
         self.draft_model.write_context_kv(aux_hidden, positions, cache_loc, self.draft_runner.token_to_kv_pool)
 
 
-def sync_free_plans(attn_backend) -> int:
-    """Let the replays of ``attn_backend``'s captured TARGET_VERIFY graphs plan FlashInfer from host-known
-    lengths; returns the number of wrappers switched.
-
-    FlashInfer's ``plan()`` copies its indptrs to the host (three blocking copies), so the host waits for every
-    queued kernel before each replay: the verify's preparation could not start until the draft forward had
-    finished. SGLang's ``fast_prefill_plan`` takes the host layout instead; SGLang's FlashInfer backend builds it
-    from ``seq_lens_cpu``, which the worker sets to each request's full KV length (committed prefix + block)
-    and which matches the device indptr the spec input builds. Only for a single full-attention wrapper
-    (sliding-window / cross-attention wrappers see other lengths)."""
-    from sglang.srt.layers.attention.flashinfer_backend import fast_prefill_plan
-
-    needed = {"qo_indptr_host", "kv_indptr_host", "kv_lens_host", "max_q_len", "max_kv_len"}
-    if not needed <= set(inspect.signature(fast_prefill_plan).parameters):
-        raise RuntimeError(f"sglang-dflash: SGLang's fast_prefill_plan{inspect.signature(fast_prefill_plan)} lacks "
-                           f"{sorted(needed)}; install the supported SGLang version.")
-    if attn_backend.num_wrappers != 1:
-        return 0
-    switched = 0
-    for wrappers in attn_backend.prefill_cuda_graph_metadata.values():
-        for w in wrappers:
-            if getattr(w, "_backend", None) == "fa2" and getattr(w, "_cached_module", None) is not None:
-                w.begin_forward = partial(fast_prefill_plan, w)
-                switched += 1
-    return switched
-
-
 class _Block:
     """input_ids / positions / out_cache_loc, each [bs * block_size]."""
 
@@ -397,6 +415,13 @@ def _params_after(params: dict | None, drafts: list[int]) -> dict | None:
     req.output_ids = copy.copy(req.output_ids)  # a list or an array('q'), as SGLang keeps it
     req.output_ids.extend(drafts)
     return {**params, "__req__": req}
+
+
+def _short_and_penalized(reqs) -> tuple[list[int], list[int]]:
+    """Indices of the requests still under their min_new_tokens, and of those with a penalty."""
+    short = [i for i, r in enumerate(reqs) if r.sampling_params.min_new_tokens > len(r.output_ids)]
+    penalized = [i for i, r in enumerate(reqs) if _has_penalty(r.sampling_params)]
+    return short, penalized
 
 
 def _has_penalty(sp) -> bool:

@@ -1,0 +1,231 @@
+"""One CUDA graph per batch size for the whole decode step on FlashInfer.
+
+Replayed through SGLang's runners, a step is three graph replays (draft, verify, commit_kv) plus
+~20 eager launches, and each replay first rebuilds a ForwardBatch, copies it into the runner's static
+buffers and plans attention: the host, not the GPU, sets the step time on small targets. Here the
+phases
+
+    build_block -> draft (+ lm_head, argmax) -> verify -> commit_kv -> greedy accept
+
+are captured together, per batch size, into one graph on static buffers. A replay copies three
+per-request inputs (bonus tokens, committed lengths, request-pool rows), plans the draft's and the
+target's FlashInfer wrappers from host-known lengths (no device sync) and launches the graph.
+
+The greedy accept result is used when the batch needs nothing else; otherwise the worker accepts
+eagerly on the verify logits (sampling, penalties, grammars, custom processors, logprobs).
+
+Padding: a batch of n requests replays the graph of the next captured size m >= n; rows n.. get
+committed length 1 and request-pool row 0, and every KV write of those rows (draft block, target
+block, draft context) goes to SGLang's padding slot 0.
+
+Each captured size owns its own attention wrappers, kept out of the backends' ``prefill_cuda_graph_metadata``
+(which belongs to SGLang's per-runner graphs) except while they are planned or captured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from functools import partial
+from typing import Sequence
+
+import torch
+
+from sglang.srt.layers.attention.flashinfer_backend import fast_prefill_plan
+from sglang.srt.layers.dp_attention import set_dp_buffer_len, set_is_extend_in_batch
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+from sglang_dflash.adapter.commit_graphs import PADDING_SLOT, padded_rows
+from sglang_dflash.adapter.spec_inputs import DFlashBlockInput
+from sglang_dflash.kernels.block_builder import build_block
+
+SEQ_LEN_FILL = 1  # committed length of padded rows (FlashInfer needs kv_len >= 1 per row)
+
+
+@dataclass
+class StepOutputs:
+    """Views of one replay's static outputs, ``bs`` real rows (n = bs * block_size)."""
+
+    draft_tokens: torch.Tensor  # [bs, B]
+    logits: torch.Tensor  # [n, V]
+    accept_lens: torch.Tensor  # [bs]  greedy
+    bonus_tokens: torch.Tensor  # [bs]
+    committed: torch.Tensor  # [bs, B]
+    new_seq_lens: torch.Tensor  # [bs]
+
+
+class _Captured:
+    """One batch size: its graph, its two ForwardBatches (for planning) and wrappers, its outputs."""
+
+    def __init__(self, bs, graph, draft_fb, target_fb, draft_wrappers, target_wrappers, outputs):
+        self.bs, self.graph = bs, graph
+        self.draft_fb, self.target_fb = draft_fb, target_fb
+        self.draft_wrappers, self.target_wrappers = draft_wrappers, target_wrappers
+        self.outputs = outputs
+
+
+class StepGraphs:
+    """Whole-step CUDA graphs for ``batch_sizes``; ``worker`` is the DFlashWorker (FlashInfer, CUDA)."""
+
+    def __init__(self, worker, batch_sizes: Sequence[int]):
+        self.w = worker
+        self.B = worker.block_size
+        self.sizes = sorted({int(b) for b in batch_sizes})
+        max_bs, dev = self.sizes[-1], worker.device
+        self.bonus = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.full((max_bs,), SEQ_LEN_FILL, dtype=torch.int64, device=dev)
+        self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.valid = torch.zeros(max_bs, dtype=torch.bool, device=dev)
+        self.seq_lens_cpu = torch.full((max_bs,), SEQ_LEN_FILL + self.B, dtype=torch.int64)  # prefix + block
+        self.draft_backend = worker.draft_runner.attn_backend
+        self.target_backend = worker.target_runner.attn_backend
+        self.captured: dict[int, _Captured] = {}
+        self.sync_free = 0  # wrappers whose replays plan without a device sync
+        stream = torch.cuda.Stream(dev)
+        pool = None
+        for bs in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool
+            self.captured[bs] = self._capture(bs, stream, pool)
+            pool = self.captured[bs].graph.pool()
+
+    @property
+    def max_bs(self) -> int:
+        return self.sizes[-1]
+
+    # ---- capture -------------------------------------------------------------------------
+    def _forward_batch(self, bs: int, input_ids: torch.Tensor, positions: torch.Tensor, loc: torch.Tensor,
+                       capture: CaptureHiddenMode) -> ForwardBatch:
+        spec_info = DFlashBlockInput(draft_token=input_ids, positions=positions, draft_token_num=self.B,
+                                     capture_hidden_mode=capture)
+        return ForwardBatch(
+            forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=input_ids,
+            req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs], out_cache_loc=loc,
+            seq_lens_sum=int(self.seq_lens_cpu[:bs].sum()), seq_lens_cpu=self.seq_lens_cpu[:bs],
+            positions=positions, spec_algorithm=SpeculativeAlgorithm.DFLASH, spec_info=spec_info,
+            capture_hidden_mode=capture,
+        )
+
+    def _capture(self, bs: int, stream: torch.cuda.Stream, pool) -> _Captured:
+        w, B, n = self.w, self.B, bs * self.B
+        dev = w.device
+        # static block tensors the two ForwardBatches point at (filled inside the graph)
+        input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        loc = torch.zeros(n, dtype=torch.int64, device=dev)
+        verify_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        draft_fb = self._forward_batch(bs, input_ids, positions, loc, CaptureHiddenMode.NULL)
+        target_fb = self._forward_batch(bs, verify_ids, positions, loc, CaptureHiddenMode.FULL)
+        self.valid[:bs].fill_(False)  # capture and warm-up write only to the padding slot
+
+        draft_wrappers = self._prepare_wrappers(self.draft_backend, draft_fb, bs)
+        target_wrappers = self._prepare_wrappers(self.target_backend, target_fb, bs)
+
+        def body():
+            ids, pos, slots = build_block(self.bonus[:bs], self.seq_lens[:bs], B, w.mask_token_id,
+                                          w.target_runner.req_to_token_pool.req_to_token,
+                                          self.req_pool_indices[:bs], out=(input_ids, positions, loc),
+                                          check_values=False)
+            slots.view(bs, B).masked_fill_(~self.valid[:bs, None], PADDING_SLOT)
+            set_dp_buffer_len(None, n, False, None)
+            set_is_extend_in_batch(False)
+            with forward_context(ForwardContext(attn_backend=self.draft_backend)):
+                self.draft_backend.init_forward_metadata_in_graph(draft_fb)
+                hidden = w.draft_model(ids, pos, draft_fb, input_embeds=w.embed(ids)).hidden_states
+            draft_tokens = w.propose(hidden, ids, bs)
+            verify_ids.copy_(draft_tokens.view(-1))
+            with forward_context(ForwardContext(attn_backend=self.target_backend)):
+                self.target_backend.init_forward_metadata_in_graph(target_fb)
+                out = w.target_runner.model(verify_ids, pos, target_fb)
+            w.commit_kv(out.hidden_states, pos, slots)
+            logits = out.next_token_logits
+            accept = w.greedy_accept(draft_tokens, logits, self.seq_lens[:bs])
+            return StepOutputs(draft_tokens, logits, *accept)
+
+        torch.cuda.synchronize(dev)
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), self._own_wrappers(draft_wrappers, target_wrappers, bs):
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up outside capture (JIT, autotuning, workspaces)
+                    body()
+            torch.cuda.synchronize(dev)
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                outputs = body()
+        torch.cuda.synchronize(dev)
+        return _Captured(bs, graph, draft_fb, target_fb, draft_wrappers, target_wrappers, outputs)
+
+    def _prepare_wrappers(self, backend, fb: ForwardBatch, bs: int) -> list:
+        """Create and plan this size's own capture-mode wrappers (they also become ``backend.forward_metadata``,
+        which the capture reads); put SGLang's wrappers for ``bs`` back; make the replays plan sync-free."""
+        saved = backend.prefill_cuda_graph_metadata.get(bs)
+        backend.init_forward_metadata_out_graph(fb, in_capture=True)
+        wrappers = backend.prefill_cuda_graph_metadata[bs]
+        _restore(backend.prefill_cuda_graph_metadata, bs, saved)
+        self.sync_free += sync_free_plans(wrappers)
+        return wrappers
+
+    @contextlib.contextmanager
+    def _own_wrappers(self, draft_wrappers: list, target_wrappers: list, bs: int):
+        """While inside: both backends' ``prefill_cuda_graph_metadata[bs]`` are this step graph's wrappers."""
+        saved = [(be, be.prefill_cuda_graph_metadata.get(bs)) for be in (self.draft_backend, self.target_backend)]
+        self.draft_backend.prefill_cuda_graph_metadata[bs] = draft_wrappers
+        self.target_backend.prefill_cuda_graph_metadata[bs] = target_wrappers
+        try:
+            yield
+        finally:
+            for be, old in saved:
+                _restore(be.prefill_cuda_graph_metadata, bs, old)
+
+    # ---- replay --------------------------------------------------------------------------
+    def padded_size(self, n: int) -> int | None:
+        """The captured batch size a batch of n requests replays (None: larger than every capture)."""
+        return padded_rows(n, self.sizes)
+
+    def replay(self, batch, bonus_tokens: torch.Tensor) -> StepOutputs:
+        """One decode step for ``batch`` (n <= max_bs requests); returns the real rows' outputs."""
+        n = batch.batch_size()
+        m = self.padded_size(n)
+        c = self.captured[m]
+        self.bonus[:n].copy_(bonus_tokens)
+        self.seq_lens[:n].copy_(batch.seq_lens)
+        self.req_pool_indices[:n].copy_(batch.req_pool_indices)
+        self.valid[:n].fill_(True)
+        if m > n:
+            self.seq_lens[n:m].fill_(SEQ_LEN_FILL)
+            self.req_pool_indices[n:m].zero_()
+            self.valid[n:m].fill_(False)
+            self.seq_lens_cpu[n:m].fill_(SEQ_LEN_FILL + self.B)
+        self.seq_lens_cpu[:n].copy_(batch.seq_lens_cpu)
+        self.seq_lens_cpu[:n] += self.B
+        seq_lens_sum = int(self.seq_lens_cpu[:m].sum())
+        with self._own_wrappers(c.draft_wrappers, c.target_wrappers, m):
+            for backend, fb in ((self.draft_backend, c.draft_fb), (self.target_backend, c.target_fb)):
+                fb.seq_lens_sum = seq_lens_sum
+                backend.init_forward_metadata_out_graph(fb)
+        c.graph.replay()
+        o = c.outputs
+        rows = n * self.B
+        return StepOutputs(o.draft_tokens[:n], o.logits[:rows], o.accept_lens[:n], o.bonus_tokens[:n],
+                           o.committed[:n], o.new_seq_lens[:n])
+
+
+def sync_free_plans(wrappers: list) -> int:
+    """Let captured FlashInfer fa2 wrappers plan from host-known lengths; returns how many were switched.
+
+    FlashInfer's ``plan()`` copies its indptrs to the host (blocking copies): the host would wait for the
+    previous step's kernels before every replay. SGLang's ``fast_prefill_plan`` takes the host layout instead,
+    which SGLang's FlashInfer backend builds from ``seq_lens_cpu`` (here: committed prefix + block, matching the
+    device indptr of `DFlashBlockInput`). Other FlashInfer backends (fa3) keep ``plan()``."""
+    switched = 0
+    for w in wrappers:
+        if getattr(w, "_backend", None) == "fa2" and getattr(w, "_cached_module", None) is not None:
+            w.begin_forward = partial(fast_prefill_plan, w)
+            switched += 1
+    return switched
+
+
+def _restore(table: dict, key, value) -> None:
+    if value is None:
+        table.pop(key, None)
+    else:
+        table[key] = value
