@@ -200,21 +200,41 @@ def test_mismatched_sglang_refuses_dflash_only():
     assert "sglang==9.9 installed" in out.stdout and "SGLANG_DFLASH_IMPL=builtin" in out.stdout
 
 
-def test_sync_free_plans_switch_only_planned_fa2_wrappers():
-    from sglang.srt.layers.attention.flashinfer_backend import fast_prefill_plan
+def test_block_kv_layout_gathers_prefix_and_block_per_request():
+    """write_block_kv_layout (what the verify/draft attention reads, also written inside the step graphs) on odd
+    sizes, run by SGLang's Triton kernel under TRITON_INTERPRET=1 (a subprocess: the variable is read at import)
+    into poisoned buffers: request i reads req_to_token[row_i, : prefix_i + block], packed in batch order."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
 
-    from sglang_dflash.adapter.step_graphs import sync_free_plans
-
-    def wrapper(backend="fa2", cached=True):
-        w = SimpleNamespace(_backend=backend, _cached_module=object() if cached else None)
-        w.begin_forward = "plan"
-        return w
-
-    wrappers = [wrapper(), wrapper(backend="fa3"), wrapper(cached=False), wrapper()]
-    assert sync_free_plans(wrappers) == 2
-    for w in (wrappers[0], wrappers[3]):
-        assert w.begin_forward.func is fast_prefill_plan and w.begin_forward.args == (w,)
-    assert wrappers[1].begin_forward == wrappers[2].begin_forward == "plan"
+    code = textwrap.dedent("""
+        import torch
+        from sglang_dflash.adapter.spec_inputs import DFlashBlockInput, write_block_kv_layout
+        g = torch.Generator().manual_seed(5)
+        for bs, block in ((1, 3), (3, 16), (5, 7)):
+            pool, ctx = bs + 2, 61
+            req_to_token = torch.randperm(pool * ctx, generator=g).to(torch.int32).view(pool, ctx)
+            rows = torch.randperm(pool, generator=g)[:bs]
+            prefix = torch.randint(0, ctx - block + 1, (bs,), generator=g)
+            indptr = torch.full((bs + 1,), -7, dtype=torch.int32)
+            indices = torch.full((int(prefix.sum()) + bs * block + 4,), -7, dtype=torch.int32)
+            write_block_kv_layout(req_to_token, rows, prefix, block, indptr, indices)
+            want = torch.cat([req_to_token[r, : p + block] for r, p in zip(rows.tolist(), prefix.tolist())])
+            assert indptr.tolist() == [0] + torch.cumsum(prefix + block, 0).tolist(), indptr
+            assert torch.equal(indices[: len(want)], want) and (indices[len(want):] == -7).all()
+            got = DFlashBlockInput(draft_token=torch.zeros(bs * block, dtype=torch.int64), positions=None,
+                                   draft_token_num=block).generate_attn_arg_prefill(rows, prefix, int(prefix.sum()),
+                                                                                    req_to_token)
+            assert torch.equal(got[0][: len(want)], want) and torch.equal(got[1], indptr)
+            assert got[2].tolist() == list(range(0, (bs + 1) * block, block)) and got[3] is None
+        print("LAYOUT OK")
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "LAYOUT OK" in out.stdout
 
 
 def test_padded_rows_picks_the_smallest_captured_size():

@@ -113,13 +113,24 @@ class DFlashBlockInput(SpecInput):
         qo_indptr = torch.arange(
             0, (bs + 1) * self.draft_token_num, step=self.draft_token_num, dtype=torch.int32, device=device
         )
-        kv_lens = paged_kernel_lens + self.draft_token_num
-        kv_indptr = torch.zeros((bs + 1,), dtype=torch.int32, device=device)
-        kv_indptr[1:] = torch.cumsum(kv_lens, dim=0)
+        kv_indptr = torch.empty((bs + 1,), dtype=torch.int32, device=device)
         kv_indices = torch.empty(
             paged_kernel_lens_sum + self.draft_token_num * bs, dtype=torch.int32, device=device
         )
-        create_flashinfer_kv_indices_triton[(bs,)](
-            req_to_token, req_pool_indices, kv_lens, kv_indptr, kv_start_idx, kv_indices, req_to_token.size(1)
-        )
+        write_block_kv_layout(req_to_token, req_pool_indices, paged_kernel_lens, self.draft_token_num,
+                              kv_indptr, kv_indices)
         return kv_indices, kv_indptr, qo_indptr, None
+
+
+def write_block_kv_layout(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
+                          block_size: int, kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> None:
+    """FlashInfer's paged layout of one linear block per request, in place and without a host sync: request i
+    reads ``req_to_token[req_pool_indices[i], : prefix_lens[i] + block_size]`` (its committed prefix, then the
+    block). kv_indptr ``[bs + 1]`` int32; kv_indices int32, at least ``sum(prefix_lens) + bs * block_size`` long."""
+    bs = req_pool_indices.shape[0]
+    kv_lens = prefix_lens + block_size
+    kv_indptr[:1].zero_()
+    torch.cumsum(kv_lens, dim=0, dtype=torch.int32, out=kv_indptr[1 : bs + 1])
+    create_flashinfer_kv_indices_triton[(bs,)](
+        req_to_token, req_pool_indices, kv_lens, kv_indptr, None, kv_indices, req_to_token.size(1)
+    )

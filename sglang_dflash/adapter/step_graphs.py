@@ -7,9 +7,11 @@ phases
 
     build_block -> draft (+ lm_head, argmax) -> verify -> commit_kv -> greedy accept
 
-are captured together, per batch size, into one graph on static buffers. A replay copies three
-per-request inputs (bonus tokens, committed lengths, request-pool rows), plans the draft's and the
-target's FlashInfer wrappers from host-known lengths (no device sync) and launches the graph.
+are captured together, per batch size, into one graph on static buffers; the graph also writes both
+forwards' FlashInfer paged layout (qo/kv indptr, kv indices) from the committed lengths. A replay copies
+three per-request inputs (bonus tokens, committed lengths, request-pool rows), plans the draft's and the
+target's wrappers on the host from host-known lengths (SGLang's sync-free ``fast_prefill_plan``; needs
+FlashInfer's fa2 prefill backend) and launches the graph.
 
 The greedy accept result is used when the batch needs nothing else; otherwise the worker accepts
 eagerly on the verify logits (sampling, penalties, grammars, custom processors, logprobs).
@@ -18,15 +20,13 @@ Padding: a batch of n requests replays the graph of the next captured size m >= 
 committed length 1 and request-pool row 0, and every KV write of those rows (draft block, target
 block, draft context) goes to SGLang's padding slot 0.
 
-Each captured size owns its own attention wrappers, kept out of the backends' ``prefill_cuda_graph_metadata``
-(which belongs to SGLang's per-runner graphs) except while they are planned or captured.
+Each captured size owns its own attention wrappers (created through the backends' capture path and then
+taken out of ``prefill_cuda_graph_metadata``, which belongs to SGLang's per-runner graphs).
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from functools import partial
 from typing import Sequence
 
 import torch
@@ -38,7 +38,7 @@ from sglang.srt.model_executor.forward_context import ForwardContext, forward_co
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 from sglang_dflash.adapter.commit_graphs import PADDING_SLOT, padded_rows
-from sglang_dflash.adapter.spec_inputs import DFlashBlockInput
+from sglang_dflash.adapter.spec_inputs import DFlashBlockInput, write_block_kv_layout
 from sglang_dflash.kernels.block_builder import build_block
 
 SEQ_LEN_FILL = 1  # committed length of padded rows (FlashInfer needs kv_len >= 1 per row)
@@ -78,11 +78,11 @@ class StepGraphs:
         self.seq_lens = torch.full((max_bs,), SEQ_LEN_FILL, dtype=torch.int64, device=dev)
         self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.valid = torch.zeros(max_bs, dtype=torch.bool, device=dev)
-        self.seq_lens_cpu = torch.full((max_bs,), SEQ_LEN_FILL + self.B, dtype=torch.int64)  # prefix + block
+        self.qo_indptr = torch.arange(0, (max_bs + 1) * self.B, self.B, dtype=torch.int32, device=dev)
+        self.qo_indptr_host = self.qo_indptr.cpu()
         self.draft_backend = worker.draft_runner.attn_backend
         self.target_backend = worker.target_runner.attn_backend
         self.captured: dict[int, _Captured] = {}
-        self.sync_free = 0  # wrappers whose replays plan without a device sync
         stream = torch.cuda.Stream(dev)
         pool = None
         for bs in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool
@@ -98,10 +98,11 @@ class StepGraphs:
                        capture: CaptureHiddenMode) -> ForwardBatch:
         spec_info = DFlashBlockInput(draft_token=input_ids, positions=positions, draft_token_num=self.B,
                                      capture_hidden_mode=capture)
+        kv_lens_cpu = torch.full((bs,), SEQ_LEN_FILL + self.B, dtype=torch.int64)  # the capture's: prefix + block
         return ForwardBatch(
             forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=input_ids,
             req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs], out_cache_loc=loc,
-            seq_lens_sum=int(self.seq_lens_cpu[:bs].sum()), seq_lens_cpu=self.seq_lens_cpu[:bs],
+            seq_lens_sum=int(kv_lens_cpu.sum()), seq_lens_cpu=kv_lens_cpu,
             positions=positions, spec_algorithm=SpeculativeAlgorithm.DFLASH, spec_info=spec_info,
             capture_hidden_mode=capture,
         )
@@ -121,12 +122,17 @@ class StepGraphs:
         draft_wrappers = self._prepare_wrappers(self.draft_backend, draft_fb, bs)
         target_wrappers = self._prepare_wrappers(self.target_backend, target_fb, bs)
 
+        req_to_token = w.target_runner.req_to_token_pool.req_to_token
+
         def body():
-            ids, pos, slots = build_block(self.bonus[:bs], self.seq_lens[:bs], B, w.mask_token_id,
-                                          w.target_runner.req_to_token_pool.req_to_token,
+            ids, pos, slots = build_block(self.bonus[:bs], self.seq_lens[:bs], B, w.mask_token_id, req_to_token,
                                           self.req_pool_indices[:bs], out=(input_ids, positions, loc),
                                           check_values=False)
             slots.view(bs, B).masked_fill_(~self.valid[:bs, None], PADDING_SLOT)
+            for wrapper in (*draft_wrappers, *target_wrappers):  # the attention layout, planned on the host
+                wrapper._qo_indptr_buf.copy_(self.qo_indptr[: bs + 1])
+                write_block_kv_layout(req_to_token, self.req_pool_indices[:bs], self.seq_lens[:bs], B,
+                                      wrapper._paged_kv_indptr_buf, wrapper._paged_kv_indices_buf)
             set_dp_buffer_len(None, n, False, None)
             set_is_extend_in_batch(False)
             with forward_context(ForwardContext(attn_backend=self.draft_backend)):
@@ -144,7 +150,7 @@ class StepGraphs:
 
         torch.cuda.synchronize(dev)
         graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), self._own_wrappers(draft_wrappers, target_wrappers, bs):
+        with torch.no_grad():
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up outside capture (JIT, autotuning, workspaces)
                     body()
@@ -156,25 +162,15 @@ class StepGraphs:
 
     def _prepare_wrappers(self, backend, fb: ForwardBatch, bs: int) -> list:
         """Create and plan this size's own capture-mode wrappers (they also become ``backend.forward_metadata``,
-        which the capture reads); put SGLang's wrappers for ``bs`` back; make the replays plan sync-free."""
+        which the capture reads) and put SGLang's wrappers for ``bs`` back."""
         saved = backend.prefill_cuda_graph_metadata.get(bs)
         backend.init_forward_metadata_out_graph(fb, in_capture=True)
         wrappers = backend.prefill_cuda_graph_metadata[bs]
-        _restore(backend.prefill_cuda_graph_metadata, bs, saved)
-        self.sync_free += sync_free_plans(wrappers)
+        if saved is None:
+            backend.prefill_cuda_graph_metadata.pop(bs)
+        else:
+            backend.prefill_cuda_graph_metadata[bs] = saved
         return wrappers
-
-    @contextlib.contextmanager
-    def _own_wrappers(self, draft_wrappers: list, target_wrappers: list, bs: int):
-        """While inside: both backends' ``prefill_cuda_graph_metadata[bs]`` are this step graph's wrappers."""
-        saved = [(be, be.prefill_cuda_graph_metadata.get(bs)) for be in (self.draft_backend, self.target_backend)]
-        self.draft_backend.prefill_cuda_graph_metadata[bs] = draft_wrappers
-        self.target_backend.prefill_cuda_graph_metadata[bs] = target_wrappers
-        try:
-            yield
-        finally:
-            for be, old in saved:
-                _restore(be.prefill_cuda_graph_metadata, bs, old)
 
     # ---- replay --------------------------------------------------------------------------
     def padded_size(self, n: int) -> int | None:
@@ -194,38 +190,27 @@ class StepGraphs:
             self.seq_lens[n:m].fill_(SEQ_LEN_FILL)
             self.req_pool_indices[n:m].zero_()
             self.valid[n:m].fill_(False)
-            self.seq_lens_cpu[n:m].fill_(SEQ_LEN_FILL + self.B)
-        self.seq_lens_cpu[:n].copy_(batch.seq_lens_cpu)
-        self.seq_lens_cpu[:n] += self.B
-        seq_lens_sum = int(self.seq_lens_cpu[:m].sum())
-        with self._own_wrappers(c.draft_wrappers, c.target_wrappers, m):
-            for backend, fb in ((self.draft_backend, c.draft_fb), (self.target_backend, c.target_fb)):
-                fb.seq_lens_sum = seq_lens_sum
-                backend.init_forward_metadata_out_graph(fb)
+        self.plan(c, batch.seq_lens_cpu, n, m)
         c.graph.replay()
         o = c.outputs
         rows = n * self.B
         return StepOutputs(o.draft_tokens[:n], o.logits[:rows], o.accept_lens[:n], o.bonus_tokens[:n],
                            o.committed[:n], o.new_seq_lens[:n])
 
-
-def sync_free_plans(wrappers: list) -> int:
-    """Let captured FlashInfer fa2 wrappers plan from host-known lengths; returns how many were switched.
-
-    FlashInfer's ``plan()`` copies its indptrs to the host (blocking copies): the host would wait for the
-    previous step's kernels before every replay. SGLang's ``fast_prefill_plan`` takes the host layout instead,
-    which SGLang's FlashInfer backend builds from ``seq_lens_cpu`` (here: committed prefix + block, matching the
-    device indptr of `DFlashBlockInput`). Other FlashInfer backends (fa3) keep ``plan()``."""
-    switched = 0
-    for w in wrappers:
-        if getattr(w, "_backend", None) == "fa2" and getattr(w, "_cached_module", None) is not None:
-            w.begin_forward = partial(fast_prefill_plan, w)
-            switched += 1
-    return switched
-
-
-def _restore(table: dict, key, value) -> None:
-    if value is None:
-        table.pop(key, None)
-    else:
-        table[key] = value
+    def plan(self, c: _Captured, prefix_lens_cpu: torch.Tensor, n: int, m: int) -> None:
+        """Plan both forwards' attention from host-known lengths (committed prefix + block per request, padded
+        rows SEQ_LEN_FILL + block); the device-side layout is written by the graph itself."""
+        kv_lens = torch.full((m,), SEQ_LEN_FILL + self.B, dtype=torch.int32)
+        kv_lens[:n] = prefix_lens_cpu[:n]
+        kv_lens[:n] += self.B
+        kv_indptr = torch.zeros((m + 1,), dtype=torch.int32)
+        torch.cumsum(kv_lens, dim=0, out=kv_indptr[1:])
+        layout = dict(qo_indptr_host=self.qo_indptr_host[: m + 1], kv_indptr_host=kv_indptr, kv_lens_host=kv_lens,
+                      max_q_len=self.B, max_kv_len=int(kv_lens.max()))
+        for backend, wrappers in ((self.draft_backend, c.draft_wrappers), (self.target_backend, c.target_wrappers)):
+            u = backend.indices_updater_prefill
+            for w in wrappers:
+                # the wrapper's own buffers as sources: fast_prefill_plan's device copies become no-ops
+                fast_prefill_plan(w, w._qo_indptr_buf, w._paged_kv_indptr_buf, w._paged_kv_indices_buf[:0],
+                                  w._paged_kv_last_page_len_buf, u.num_qo_heads, u.num_kv_heads, u.head_dim, 1,
+                                  q_data_type=u.q_data_type, kv_data_type=u.data_type, non_blocking=True, **layout)

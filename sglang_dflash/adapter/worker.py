@@ -123,10 +123,10 @@ class DFlashWorker(BaseSpecWorker):
         if not str(self.device).startswith("cuda") or any(r.decode_cuda_graph_runner is None for r in runners):
             return
         sizes = sorted(set.intersection(*(set(r.decode_cuda_graph_runner.capture_bs) for r in runners)))
-        if self.backend == "flashinfer" and all(r.attn_backend.num_wrappers == 1 for r in runners):
+        if self.backend == "flashinfer" and all(r.attn_backend.num_wrappers == 1
+                                                and r.attn_backend.prefill_backend == "fa2" for r in runners):
             self.step_graphs = StepGraphs(self, sizes)
-            logger.info("sglang-dflash: decode step captured as one CUDA graph for batch sizes %s "
-                        "(sync-free attention plans: %s)", sizes, self.step_graphs.sync_free)
+            logger.info("sglang-dflash: decode step captured as one CUDA graph for batch sizes %s", sizes)
             return
         hidden = self.target_runner.model_config.hf_text_config.hidden_size
         self.commit_block_kv = CommitGraphs(
