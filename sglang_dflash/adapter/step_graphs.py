@@ -78,6 +78,10 @@ class StepGraphs:
         self.seq_lens = torch.full((max_bs,), SEQ_LEN_FILL, dtype=torch.int64, device=dev)
         self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.valid = torch.zeros(max_bs, dtype=torch.bool, device=dev)
+        # one float logits buffer for every size (SGLang's logits processor copies into it): per-size logits
+        # outputs would each stay alive with their graph
+        self.logits = torch.zeros((max_bs * self.B, worker.target_runner.model_config.vocab_size),
+                                  dtype=torch.float, device=dev)
         self.qo_indptr = torch.arange(0, (max_bs + 1) * self.B, self.B, dtype=torch.int32, device=dev)
         self.qo_indptr_host = self.qo_indptr.cpu()
         self.draft_backend = worker.draft_runner.attn_backend
@@ -117,6 +121,7 @@ class StepGraphs:
         verify_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         draft_fb = self._forward_batch(bs, input_ids, positions, loc, CaptureHiddenMode.NULL)
         target_fb = self._forward_batch(bs, verify_ids, positions, loc, CaptureHiddenMode.FULL)
+        target_fb.next_token_logits_buffer = self.logits[:n]
         self.valid[:bs].fill_(False)  # capture and warm-up write only to the padding slot
 
         draft_wrappers = self._prepare_wrappers(self.draft_backend, draft_fb, bs)
@@ -155,6 +160,7 @@ class StepGraphs:
                 for _ in range(2):  # warm-up outside capture (JIT, autotuning, workspaces)
                     body()
             torch.cuda.synchronize(dev)
+            torch.cuda.empty_cache()  # the warm-up's blocks, which the capture's private pool cannot use
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 outputs = body()
         torch.cuda.synchronize(dev)
