@@ -237,6 +237,44 @@ def test_block_kv_layout_gathers_prefix_and_block_per_request():
     assert "LAYOUT OK" in out.stdout
 
 
+def test_step_graph_plan_uses_host_lengths_with_padded_rows(monkeypatch):
+    """StepGraphs.plan: both forwards' wrappers are planned from the host lengths the graph's device layout
+    (write_block_kv_layout) will hold: real rows committed prefix + block, padded rows SEQ_LEN_FILL + block, and
+    the wrappers' own buffers as sources (no device copies)."""
+    from sglang_dflash.adapter import step_graphs
+
+    calls = []
+    monkeypatch.setattr(step_graphs, "fast_prefill_plan", lambda w, *args, **kw: calls.append((w, args, kw)))
+    B, m, n = 4, 6, 4
+
+    def wrapper():
+        return SimpleNamespace(_qo_indptr_buf=torch.zeros(m + 1), _paged_kv_indptr_buf=torch.zeros(m + 1),
+                               _paged_kv_indices_buf=torch.zeros(100), _paged_kv_last_page_len_buf=torch.ones(m))
+
+    def backend(heads):
+        return SimpleNamespace(indices_updater_prefill=SimpleNamespace(
+            num_qo_heads=heads, num_kv_heads=3, head_dim=64, q_data_type=torch.bfloat16, data_type=torch.bfloat16))
+
+    graphs = object.__new__(step_graphs.StepGraphs)
+    graphs.B = B
+    graphs.qo_indptr_host = torch.arange(0, 9 * B, B, dtype=torch.int32)
+    graphs.draft_backend, graphs.target_backend = backend(9), backend(12)
+    captured = step_graphs._Captured(m, None, None, None, [wrapper()], [wrapper()], None)
+    graphs.plan(captured, torch.tensor([5, 0, 17, 2, 99, 99]), n, m)
+
+    fill = step_graphs.SEQ_LEN_FILL + B
+    assert [w for w, _, _ in calls] == [*captured.draft_wrappers, *captured.target_wrappers]
+    for (w, args, kw), heads in zip(calls, (9, 12)):
+        assert args[0] is w._qo_indptr_buf and args[1] is w._paged_kv_indptr_buf
+        assert args[2].numel() == 0 and args[3] is w._paged_kv_last_page_len_buf
+        assert args[4:8] == (heads, 3, 64, 1)
+        assert kw["kv_lens_host"].tolist() == [9, 4, 21, 6, fill, fill]
+        assert kw["kv_indptr_host"].tolist() == [0, 9, 13, 34, 40, 40 + fill, 40 + 2 * fill]
+        assert kw["qo_indptr_host"].tolist() == [0, 4, 8, 12, 16, 20, 24]
+        assert kw["max_q_len"] == B and kw["max_kv_len"] == 21
+        assert kw["kv_lens_host"].dtype == kw["kv_indptr_host"].dtype == torch.int32
+
+
 def test_padded_rows_picks_the_smallest_captured_size():
     from sglang_dflash.adapter.commit_graphs import padded_rows
 
