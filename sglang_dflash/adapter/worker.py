@@ -14,8 +14,11 @@ One decode step, one method per phase:
   accept kernel packs `accept_lens`, `bonus_tokens`, committed tokens, new `seq_lens`.
 * commit_kv: the draft's context K/V for the block tokens, from the target hidden
   states captured during verify, written at the verify slots (rows past the commit
-  point are overwritten by the next block before anything reads them); replayed from
-  CUDA graphs on GPU (`commit_graphs`).
+  point are overwritten by the next block before anything reads them).
+
+On FlashInfer (CUDA) the five phases are captured together as one CUDA graph per batch size
+(`step_graphs`); other GPU backends run them one by one with commit_kv from CUDA graphs
+(`commit_graphs`); CPU runs them eagerly.
 
 Prefill is the target's own extend with hidden-state capture, followed by
 `commit_kv` for the prompt tokens.
