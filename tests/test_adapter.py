@@ -42,6 +42,29 @@ def _req(**sampling):
                            return_logprob=False, return_hidden_states=False)
 
 
+def test_plain_greedy_is_the_only_batch_the_step_graph_accepts():
+    """The step graph's in-graph argmax accept stands for `accept` only when `accept` would apply nothing else:
+    every other batch (sampling, grammar, custom processors, logit_bias, min_new_tokens not yet reached, any
+    penalty) must accept eagerly."""
+    from sglang_dflash.adapter.worker import DFlashWorker
+
+    def batch(*reqs, greedy=True, grammar=False, processors=False, bias=None):
+        info = SimpleNamespace(is_all_greedy=greedy, has_custom_logit_processor=processors, logit_bias=bias)
+        for r in reqs:
+            r.output_ids = [5, 6]
+        return SimpleNamespace(sampling_info=info, has_grammar=grammar, reqs=list(reqs))
+
+    plain = DFlashWorker.plain_greedy
+    assert plain(None, batch(_req(), _req(min_new_tokens=2)))  # min_new_tokens already reached
+    assert not plain(None, batch(_req(), greedy=False))
+    assert not plain(None, batch(_req(), grammar=True))
+    assert not plain(None, batch(_req(), processors=True))
+    assert not plain(None, batch(_req(), bias=torch.zeros(1, 8)))
+    assert not plain(None, batch(_req(), _req(min_new_tokens=3)))
+    for penalty in (dict(frequency_penalty=0.1), dict(presence_penalty=-0.5), dict(repetition_penalty=1.2)):
+        assert not plain(None, batch(_req(), _req(**penalty))), penalty
+
+
 def test_unsupported_request_is_refused_with_its_name():
     req = _req()
     req.return_hidden_states = True
