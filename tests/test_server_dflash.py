@@ -685,6 +685,32 @@ def test_draft_by_hub_repo_id_serves_from_the_hf_cache(target, drafter, dflash, 
         assert g["meta_info"]["spec_verify_ct"] < g["meta_info"]["completion_tokens"]  # speculation ran
 
 
+def test_requests_filling_the_context_are_served_exactly(target, drafter, nospec, loader_prompts, tmp_path):
+    """Requests that generate up to the context limit, served together by a DFLASH server with a 64-token context:
+    near the end a request's KV row has room for the one verify block it needs, not for the usual two blocks of
+    headroom (SGLang sizes rows to context + 4 + block_size). A reservation past the row used to crash the
+    scheduler (IndexError). Each reply must reach the zone where two blocks no longer fit and equal no-spec's reply
+    of the same length (no-spec runs with the model's full context)."""
+    ctx = 64
+    block = json.loads((drafter[0] / "config.json").read_text())["block_size"]
+    pool = [t for prompts in loader_prompts.values() for ids in prompts for t in ids]
+    payloads = [{"input_ids": pool[i: i + n], "sampling_params": {"temperature": 0.0, "max_new_tokens": ctx - n,
+                                                                   "ignore_eos": True}}
+                for i, n in ((0, 20), (50, 41), (100, 47), (150, 55), (200, 57))]
+    spec = {"ctx64": (target, [*SERVER_ARGS, *dflash_args(drafter[0]), "--context-length", str(ctx)])}
+    with launch_servers(spec, log_dir=tmp_path / "logs") as servers:
+        got = generate_all(servers["ctx64"], payloads)
+        assert requests.get(f"{servers['ctx64'].base_url}/health_generate", timeout=120).status_code == 200
+    same_length = [{**p, "sampling_params": {**p["sampling_params"], "max_new_tokens": len(g["output_ids"])}}
+                   for p, g in zip(payloads, got)]
+    want = generate_all(nospec, [{**p, **REFERENCE_LOGPROBS} if BF16 else p for p in same_length])
+    for p, w, g in zip(payloads, want, got):
+        n = len(p["input_ids"])
+        assert g["meta_info"]["finish_reason"]["type"] == "length", g["meta_info"]
+        assert n + len(g["output_ids"]) > ctx + 4 - block, (n, len(g["output_ids"]))  # two blocks no longer fit
+        assert_same_reply(w, g, f"prompt of {n} tokens")
+
+
 # ----------------------------------------------------------------------------------------------- 7. prompt scoring, custom logit processors
 
 

@@ -37,16 +37,19 @@ class DFlashDraftState(SpecInput):
     def prepare_for_decode(self, batch) -> None:
         """Reserve KV slots so `req_to_token[r, seq_len : seq_len + block_size]` exist.
 
-        Each request keeps at least two blocks of headroom past its committed length,
-        so a step never allocates inside the forward; slots a request does not commit
-        stay reserved to it and are released with the request.
+        Each request keeps two blocks of headroom past its committed length (so a step
+        never allocates inside the forward), capped at its `req_to_token` row: near the
+        context limit only the one block the step needs fits there (SGLang sizes rows to
+        context length + 4 + block_size). Slots a request does not commit stay reserved to
+        it and are released with the request.
         """
         bs = batch.batch_size()
         if bs == 0:
             return
+        row_width = batch.req_to_token_pool.req_to_token.shape[1]
         committed = [int(r.kv_committed_len) for r in batch.reqs]
         allocated = [int(r.kv.kv_allocated_len) for r in batch.reqs]
-        reserved = [max(a, c + 2 * self.block_size) for a, c in zip(allocated, committed)]
+        reserved = [max(a, min(c + 2 * self.block_size, row_width)) for a, c in zip(allocated, committed)]
         need = torch.tensor([n - a for n, a in zip(reserved, allocated)])
         total = int(need.sum())
         if total > 0:
