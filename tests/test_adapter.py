@@ -105,7 +105,7 @@ def _args(draft, **overrides):
                 dp_size=1, page_size=1,
                 speculative_draft_window_size=None, attention_backend=None, speculative_eagle_topk=None,
                 speculative_num_steps=None, speculative_dflash_block_size=None, speculative_num_draft_tokens=None,
-                disable_overlap_schedule=False)
+                disable_overlap_schedule=False, enable_lora=None, lora_paths=None)
     args.update(overrides)
     return SimpleNamespace(**args)
 
@@ -127,6 +127,8 @@ def test_server_args_resolved_from_the_draft(draft_dir):
     ({"speculative_dflash_block_size": 8, "speculative_num_draft_tokens": 4}, "differ"),
     ({"speculative_eagle_topk": 4}, "must be 1"),
     ({"speculative_draft_window_size": 128}, "draft-window-size"),
+    ({"enable_lora": True}, "LoRA adapters"),
+    ({"lora_paths": ["a=/adapters/a"]}, "LoRA adapters"),
     ({"speculative_draft_model_path": None}, "needs a draft model"),
 ])
 def test_unsupported_flags_fail_with_the_fix(draft_dir, overrides, message):

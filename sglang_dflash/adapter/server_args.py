@@ -51,6 +51,9 @@ def resolve_server_args(server_args) -> None:
         _fail(f"--page-size {server_args.page_size} is not supported", "Use --page-size 1.")
     if server_args.speculative_draft_window_size is not None:
         _fail("--speculative-draft-window-size is not supported", "Remove the flag.")
+    if server_args.enable_lora or server_args.lora_paths:
+        _fail("LoRA adapters (--enable-lora / --lora-paths) are not applied by the DFLASH verify forward",
+              "Serve LoRA adapters without --speculative-algorithm DFLASH.")
     backend = server_args.attention_backend
     if backend is not None and backend not in _SUPPORTED_BACKENDS:
         _fail(f"--attention-backend {backend} is not supported", f"Use one of {_SUPPORTED_BACKENDS}.")
