@@ -57,7 +57,8 @@ class StepOutputs:
 
 
 class _Captured:
-    """One batch size: its graph, its two ForwardBatches (for planning) and wrappers, its outputs."""
+    """One batch size: its graph, its wrappers (planned before each replay), its outputs, and the two
+    ForwardBatches of the capture, which hold the static block tensors the graph reads and writes."""
 
     def __init__(self, bs, graph, draft_fb, target_fb, draft_wrappers, target_wrappers, outputs):
         self.bs, self.graph = bs, graph
@@ -92,10 +93,6 @@ class StepGraphs:
         for bs in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool
             self.captured[bs] = self._capture(bs, stream, pool)
             pool = self.captured[bs].graph.pool()
-
-    @property
-    def max_bs(self) -> int:
-        return self.sizes[-1]
 
     # ---- capture -------------------------------------------------------------------------
     def _forward_batch(self, bs: int, input_ids: torch.Tensor, positions: torch.Tensor, loc: torch.Tensor,
@@ -184,7 +181,8 @@ class StepGraphs:
         return padded_rows(n, self.sizes)
 
     def replay(self, batch, bonus_tokens: torch.Tensor) -> StepOutputs:
-        """One decode step for ``batch`` (n <= max_bs requests); returns the real rows' outputs."""
+        """One decode step for ``batch`` (n requests, at most the largest captured size); returns the real rows'
+        outputs."""
         n = batch.batch_size()
         m = self.padded_size(n)
         c = self.captured[m]
