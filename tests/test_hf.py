@@ -3,7 +3,6 @@ sampled output has the target's distribution."""
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch

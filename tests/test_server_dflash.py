@@ -23,7 +23,7 @@ import requests
 
 from sglang_dflash import compare
 from sglang_dflash.compare import REFERENCE_LOGPROBS, first_difference
-from harness.server import expect_startup_failure, server_dtype
+from harness.server import DEVICE, STARTUP_TIMEOUT, expect_startup_failure, launch_server, server_dtype
 from conftest import TAU_NEW_TOKENS, TAU_PROMPTS_PER_SET
 from server_fixtures import COMMON_ARGS, SERVER_ENV, dflash_args, drafter_for_tests, launch_servers, nccl_port_args
 
@@ -709,6 +709,33 @@ def test_requests_filling_the_context_are_served_exactly(target, drafter, nospec
         assert g["meta_info"]["finish_reason"]["type"] == "length", g["meta_info"]
         assert n + len(g["output_ids"]) > ctx + 4 - block, (n, len(g["output_ids"]))  # two blocks no longer fit
         assert_same_reply(w, g, f"prompt of {n} tokens")
+
+
+def test_data_parallel_replicas_serve_dflash_exactly(target, drafter, nospec, loader_prompts, tmp_path):
+    """``--dp-size 2``: two scheduler processes behind one server, each with its own DFLASH worker, draft model and
+    KV pool. Requests sent together are spread over both replicas; every greedy reply equals no-spec's and both
+    replicas run verify steps."""
+    import torch
+
+    if DEVICE == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip("--dp-size 2 on the GPU needs two GPUs")
+    payloads = [{"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS}}
+                for prompts in loader_prompts.values() for ids in prompts[:3]]
+    # no --nccl-port: SGLang would give that one port to every replica's process group
+    with launch_server(target, [*SERVER_ARGS, *dflash_args(drafter[0]), "--dp-size", "2"], env=SERVER_ENV,
+                       timeout=max(600.0, STARTUP_TIMEOUT), log_path=tmp_path / "dp2.log") as server:
+        got = generate_all(server, payloads)
+        log = server.log_text()
+    want = generate_all(nospec, [{**p, **REFERENCE_LOGPROBS} if BF16 else p for p in payloads])
+    for i, (w, g) in enumerate(zip(want, got)):
+        assert_same_reply(w, g, f"request {i}")
+        assert 1 <= g["meta_info"]["spec_verify_ct"] < g["meta_info"]["completion_tokens"], g["meta_info"]
+    if drafter[1]:  # the trained drafter gets drafts accepted (a random one may not)
+        assert sum(g["meta_info"]["spec_verify_ct"] for g in got) < sum(len(g["output_ids"]) for g in got) - len(got)
+    for rank in ("DP0", "DP1"):
+        lines = [line for line in log.splitlines() if f" {rank}]" in line]
+        assert any("DFLASH served by sglang-dflash" in line for line in lines), f"{rank} did not load our worker"
+        assert any("Decode batch" in line and "accept len" in line for line in lines), f"{rank} ran no verify step"
 
 
 # ----------------------------------------------------------------------------------------------- 7. prompt scoring, custom logit processors

@@ -44,9 +44,11 @@ def resolve_server_args(server_args) -> None:
     """Validate flags and the draft checkpoint; fix block size, steps and scheduling mode."""
     dcfg = load_draft_config(server_args)
 
-    if server_args.tp_size != 1 or server_args.pp_size != 1 or server_args.dp_size != 1:
-        _fail(f"tensor/pipeline/data parallel sizes {server_args.tp_size}/{server_args.pp_size}/"
-              f"{server_args.dp_size} are not supported yet", "Run with --tp-size 1 --pp-size 1 --dp-size 1.")
+    if server_args.tp_size != 1 or server_args.pp_size != 1:
+        _fail(f"tensor/pipeline parallel sizes {server_args.tp_size}/{server_args.pp_size} are not supported yet",
+              "Run with --tp-size 1 --pp-size 1; to use several GPUs, serve data-parallel replicas (--dp-size N).")
+    if server_args.enable_dp_attention:
+        _fail("--enable-dp-attention is not supported", "Remove the flag; --dp-size N alone serves N replicas.")
     if server_args.page_size not in (None, 1):
         _fail(f"--page-size {server_args.page_size} is not supported", "Use --page-size 1.")
     if server_args.speculative_draft_window_size is not None:
