@@ -60,7 +60,7 @@ def run_hf(target: Path, draft: Path, ids: list[list[int]], max_new_tokens: int,
     spec = lm.generate(ids, max_new_tokens=max_new_tokens)
     same = sum(a == b for a, b in zip(base.sequences, spec.sequences))
     print(f"\nengine: reference (PyTorch, {device}, {dtype}), {len(ids)} prompts, batch of {len(ids)}")
-    print(f"| decoding | new tokens | tok/s | mean accept length |\n|---|---|---|---|")
+    print("| decoding | new tokens | tok/s | mean accept length |\n|---|---|---|---|")
     print(f"| target alone | {base.num_new_tokens} | {base.tokens_per_s:.1f} | 1.00 |")
     print(f"| DFlash (block {lm.block_size}) | {spec.num_new_tokens} | {spec.tokens_per_s:.1f} | "
           f"{spec.mean_accept_length:.2f} |")
