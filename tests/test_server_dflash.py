@@ -738,6 +738,64 @@ def test_data_parallel_replicas_serve_dflash_exactly(target, drafter, nospec, lo
         assert any("Decode batch" in line and "accept len" in line for line in lines), f"{rank} ran no verify step"
 
 
+def _perturbed_target(target, out_dir, name: str, scale: float):
+    """A copy of the target with parameter ``name`` scaled by ``scale`` (the same architecture, other outputs);
+    returns (directory, the target's original tensor)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from harness.models import copy_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    param = dict(model.named_parameters())[name]
+    original = param.detach().clone()
+    with torch.no_grad():
+        param.mul_(scale)
+    model.save_pretrained(out_dir)
+    copy_tokenizer(target, out_dir)
+    return out_dir, original
+
+
+def test_online_weight_updates_keep_outputs_exact(target, drafter, nospec, loader_prompts, tmp_path):
+    """RL-style weight sync on a DFLASH server: ``/update_weights_from_disk`` with another checkpoint of the target
+    architecture, then ``/update_weights_from_tensor`` with one tensor of the original. After each update every
+    greedy reply equals a no-spec server of those weights (the draft keeps its own weights and still drafts)."""
+    import torch
+
+    name = "model.layers.20.mlp.down_proj.weight"
+    updated, original = _perturbed_target(target, tmp_path / "updated-target", name, 1.5)
+    payloads = [{"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS}}
+                for prompts in loader_prompts.values() for ids in prompts[:2]]
+    ref = [{**p, **REFERENCE_LOGPROBS} if BF16 else p for p in payloads]
+    specs = {"dflash": (target, [*SERVER_ARGS, *dflash_args(drafter[0])]),
+             "nospec_updated": (updated, [*SERVER_ARGS, "--disable-overlap-schedule"])}
+    with launch_servers(specs, log_dir=tmp_path / "logs") as servers:
+        dflash, want_updated = servers["dflash"], generate_all(servers["nospec_updated"], ref)
+        want_original = generate_all(nospec, ref)
+        assert any(a["output_ids"] != b["output_ids"] for a, b in zip(want_original, want_updated)), \
+            "the perturbed checkpoint answers like the original: the test would not see a missed update"
+
+        out = dflash.post("/update_weights_from_disk", {"model_path": str(updated)})
+        assert out["success"], out
+        got = generate_all(dflash, payloads)
+        for i, (w, g) in enumerate(zip(want_updated, got)):
+            assert_same_reply(w, g, f"after update_weights_from_disk, request {i}")
+            assert 1 <= g["meta_info"]["spec_verify_ct"] < g["meta_info"]["completion_tokens"], g["meta_info"]
+
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        torch.multiprocessing.set_sharing_strategy("file_system")  # CPU tensors travel as named shared memory
+        tensors = [(name, original)]
+        out = dflash.post("/update_weights_from_tensor",
+                          {"serialized_named_tensors": [MultiprocessingSerializer.serialize(tensors, output_str=True)]})
+        assert out["success"], out
+        got = generate_all(dflash, payloads)
+        for i, (w, g) in enumerate(zip(want_original, got)):
+            assert_same_reply(w, g, f"after update_weights_from_tensor, request {i}")
+    if drafter[1]:  # the trained drafter still gets drafts accepted on the original weights
+        assert sum(g["meta_info"]["spec_verify_ct"] for g in got) < sum(len(g["output_ids"]) for g in got) - len(got)
+
+
 # ----------------------------------------------------------------------------------------------- 7. prompt scoring, custom logit processors
 
 

@@ -150,6 +150,22 @@ class DFlashWorker(BaseSpecWorker):
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
 
+    # ---- online weight updates (RL weight sync) ----------------------------------------
+    # SGLang loads new target weights in place (so the borrowed embeddings / lm_head and the step graphs' pointers
+    # follow) and flushes the KV cache, the draft's included, unless asked not to. The draft keeps its weights:
+    # outputs stay exactly the updated target's; only the acceptance may drop until the drafter is retrained.
+    def update_weights_from_disk(self, recv_req):
+        """Called after the target worker loaded ``recv_req.model_path`` (a target checkpoint)."""
+        return True, "Succeeded to update model weights (target; the DFlash draft keeps its own)."
+
+    def update_weights_from_ipc(self, recv_req):
+        """Called after the target worker took the new weights."""
+        return True, "Succeeded to update model weights (target; the DFlash draft keeps its own)."
+
+    def update_weights_from_tensor(self, recv_req):
+        """SGLang routes tensor updates to the speculative worker: named tensors are the target's parameters."""
+        return self._target_worker.update_weights_from_tensor(recv_req)
+
     # ---- the step ---------------------------------------------------------------------
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None) -> GenerationBatchResult:
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
