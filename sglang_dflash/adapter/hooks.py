@@ -34,6 +34,9 @@ EXPECTED_SIGNATURES = {
     "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation": [
         "self", "batch", "forward_batch", "pp_proxy_tensors", "is_verify", "skip_attn_backend_init",
         "capture_hidden_mode"],
+    "sglang.srt.session.session_controller.Session._concat_token_arrays": ["last_req", "req", "session_params"],
+    "sglang.srt.session.streaming_session.StreamingSession._trim_overshoot": ["self", "req", "finished_len"],
+    "sglang.srt.session.streaming_session.StreamingSession._free_kv_aligned": ["self", "pool_idx", "target", "end"],
     # used (not hooked) by the worker's constrained decoding
     "sglang.srt.speculative.spec_utils.build_grammar_vocab_mask": ["reqs", "tree", "sampling_info", "device", "barrier"],
     "sglang.srt.speculative.spec_utils.GrammarTree.from_linear_chain": ["verify_ids_2d"],
@@ -116,6 +119,14 @@ def install() -> None:
     HookRegistry.register(
         "sglang.srt.speculative.dflash_utils.validate_dflash_request", _validate_request, HookType.AROUND
     )
+    HookRegistry.register(
+        "sglang.srt.session.session_controller.Session._concat_token_arrays", _session_history_through_stop,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.session.streaming_session.StreamingSession._trim_overshoot", _streaming_session_keeps_computed_kv,
+        HookType.AROUND,
+    )
     logger.info("sglang-dflash plugin loaded: DFLASH -> %s (%s=%s)",
                 "sglang-dflash" if impl == "sglang_dflash" else "SGLang built-in", IMPL_ENV, impl)
 
@@ -166,6 +177,39 @@ def _create_worker(original, algo, server_args):
     from sglang_dflash.adapter.worker import DFlashWorker
 
     return DFlashWorker
+
+
+def _serving_dflash() -> bool:
+    """True in a scheduler process of a server whose DFLASH is ours."""
+    from sglang.srt.runtime_context import get_spec
+
+    algo = get_spec().speculative_algorithm
+    return str(getattr(algo, "name", algo) or "").upper() == "DFLASH" and selected_impl() == "sglang_dflash"
+
+
+def _session_history_through_stop(original, last_req, req, session_params):
+    """A (non-streaming) session turn continues from the previous turn's reply, i.e. its output through the stop.
+    One DFLASH step can commit tokens past a stop (the rest of its accepted block): SGLang cuts them from the
+    reply (``finished_len``) and, in streaming sessions, from the request, but this history took them along, so
+    the next turn saw tokens the client never did. Cut them here first."""
+    end = last_req.finished_len
+    if end is not None and len(last_req.output_ids) > end and _serving_dflash():
+        del last_req.output_ids[end:]
+    return original(last_req, req, session_params)
+
+
+def _streaming_session_keeps_computed_kv(original, cache, req, finished_len):
+    """A streaming session keeps a finished turn's KV for the next turn, up to the end of its output. The last
+    output token of a DFLASH turn is the bonus of its last verify step, whose KV was never computed (its slot holds
+    the rejected draft's, or nothing): keep one token less, so that the next turn's prefill computes it, as a
+    no-spec turn leaves it."""
+    original(cache, req, finished_len)
+    if finished_len > 0 and _serving_dflash():
+        keep = len(req.origin_input_ids) + finished_len - 1
+        cache._free_kv_aligned(req.req_pool_idx, keep, req.kv.kv_allocated_len)
+        req.kv.kv_allocated_len = min(req.kv.kv_allocated_len, keep)
+        req.kv_committed_len = min(req.kv_committed_len, keep)
+        req.kv.swa_evicted_seqlen = min(req.kv.swa_evicted_seqlen, keep)
 
 
 # Requests whose logits the verify step cannot reproduce are refused up front (with the reason) rather than
