@@ -102,7 +102,7 @@ def draft_dir(tmp_path_factory):
 
 def _args(draft, **overrides):
     args = dict(speculative_draft_model_path=str(draft), speculative_draft_model_revision=None, tp_size=1, pp_size=1,
-                dp_size=1, enable_dp_attention=False, page_size=1,
+                dp_size=1, enable_dp_attention=False, disaggregation_mode="null", page_size=1,
                 speculative_draft_window_size=None, attention_backend=None, speculative_eagle_topk=None,
                 speculative_num_steps=None, speculative_dflash_block_size=None, speculative_num_draft_tokens=None,
                 disable_overlap_schedule=False, enable_lora=None, lora_paths=None)
@@ -132,6 +132,7 @@ def test_data_parallel_replicas_are_accepted(draft_dir):
     ({"tp_size": 2}, "parallel sizes 2/1 "),
     ({"pp_size": 2}, "parallel sizes 1/2 "),
     ({"dp_size": 2, "enable_dp_attention": True}, "--enable-dp-attention"),
+    ({"disaggregation_mode": "decode"}, "--disaggregation-mode decode"),
     ({"page_size": 16}, "--page-size 16"),
     ({"attention_backend": "fa3"}, "--attention-backend fa3"),
     ({"speculative_dflash_block_size": 65}, r"block size 65 is out of range \[2, 64\]"),

@@ -47,6 +47,9 @@ def resolve_server_args(server_args) -> None:
     if server_args.tp_size != 1 or server_args.pp_size != 1:
         _fail(f"tensor/pipeline parallel sizes {server_args.tp_size}/{server_args.pp_size} are not supported yet",
               "Run with --tp-size 1 --pp-size 1; to use several GPUs, serve data-parallel replicas (--dp-size N).")
+    if (server_args.disaggregation_mode or "null") != "null":
+        _fail(f"--disaggregation-mode {server_args.disaggregation_mode} is not supported (the draft KV of the prompt "
+              "is not transferred with the target's)", "Serve DFLASH without prefill/decode disaggregation.")
     if server_args.enable_dp_attention:
         _fail("--enable-dp-attention is not supported", "Remove the flag; --dp-size N alone serves N replicas.")
     if server_args.page_size not in (None, 1):
