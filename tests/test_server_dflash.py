@@ -23,7 +23,8 @@ import requests
 
 from sglang_dflash import compare
 from sglang_dflash.compare import REFERENCE_LOGPROBS, first_difference
-from harness.server import DEVICE, STARTUP_TIMEOUT, expect_startup_failure, launch_server, server_dtype
+from harness.server import (DEVICE, STARTUP_TIMEOUT, expect_startup_failure, launch_server, server_command,
+                            server_dtype, server_env)
 from conftest import TAU_NEW_TOKENS, TAU_PROMPTS_PER_SET
 from server_fixtures import COMMON_ARGS, SERVER_ENV, dflash_args, drafter_for_tests, launch_servers, nccl_port_args
 
@@ -831,6 +832,49 @@ def test_online_weight_updates_keep_outputs_exact(target, drafter, nospec, loade
             assert_same_reply(w, g, f"after update_weights_from_tensor, request {i}")
     if drafter[1]:  # the trained drafter still gets drafts accepted on the original weights
         assert sum(g["meta_info"]["spec_verify_ct"] for g in got) < sum(len(g["output_ids"]) for g in got) - len(got)
+
+
+ENGINE_SCRIPT = """
+import json, sys
+import sglang as sgl
+from sglang.srt.plugins import load_plugins
+from sglang.srt.server_args import prepare_server_args
+
+if __name__ == "__main__":
+    argv, payloads = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+    load_plugins()  # what Engine(**kwargs) does before it builds its ServerArgs; here they are built first
+    engine = sgl.Engine(server_args=prepare_server_args(argv))
+    try:
+        outs = engine.generate(input_ids=[p["input_ids"] for p in payloads],
+                               sampling_params=[p["sampling_params"] for p in payloads])
+    finally:
+        engine.shutdown()
+    print("ENGINE_OUTPUTS " + json.dumps(outs))
+"""
+
+
+def test_offline_engine_api_matches_nospec(target, drafter, nospec, loader_prompts, tmp_path):
+    """``sglang.Engine(speculative_algorithm="DFLASH", ...)`` -- the offline Python API of batch jobs and RL
+    frameworks -- loads the plugin in-process, serves with our worker, and its greedy batch equals no-spec."""
+    import subprocess
+    import sys
+
+    payloads = [{"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS}}
+                for prompts in loader_prompts.values() for ids in prompts[3:5]]
+    argv = server_command(target, 0, [*SERVER_ARGS, *dflash_args(drafter[0])])[3:]  # drop "python -m module"
+    argv = [a for a, prev in zip(argv, [None, *argv]) if a not in ("--host", "--port") and prev not in ("--host", "--port")]
+    script = tmp_path / "engine_run.py"
+    script.write_text(ENGINE_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), json.dumps(argv), json.dumps(payloads)], capture_output=True,
+                          text=True, env=server_env(SERVER_ENV), timeout=max(600.0, STARTUP_TIMEOUT), cwd=tmp_path)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("ENGINE_OUTPUTS ")]
+    assert proc.returncode == 0 and lines, f"engine run failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    assert "DFLASH served by sglang-dflash" in proc.stderr, proc.stderr[-4000:]
+    got = json.loads(lines[0].removeprefix("ENGINE_OUTPUTS "))
+    want = generate_all(nospec, [{**p, **REFERENCE_LOGPROBS} if BF16 else p for p in payloads])
+    for i, (w, g) in enumerate(zip(want, got)):
+        assert_same_reply(w, g, f"engine request {i}")
+        assert 1 <= g["meta_info"]["spec_verify_ct"] < g["meta_info"]["completion_tokens"], g["meta_info"]
 
 
 # ----------------------------------------------------------------------------------------------- 7. prompt scoring, custom logit processors
