@@ -254,10 +254,15 @@ def main():
         env_impl = {"builtin": "builtin"}.get(impl, "sglang_dflash")
         extra = ["--cuda-graph-max-bs", str(max(concs))] if torch.cuda.is_available() else []
         if impl == "ours_profiled":
+            # phases are timed with device syncs, which would serialize the overlap schedule anyway: the profiled
+            # server runs the synchronous scheduler (so it also shows what the overlap schedule buys)
             os.environ["SGLANG_DFLASH_PROFILE"] = str(out / "phases.json")
+            extra = [*extra, "--disable-overlap-schedule"]
         servers[(w, impl)] = Server(f"{w}_{impl}", tgt, None if impl == "nospec" else drf, env_impl, out, extra,
                                     args.server_flags.split())
         os.environ.pop("SGLANG_DFLASH_PROFILE", None)
+    # a benchmark stopped from outside (SIGTERM, e.g. a time limit) still stops its servers and reports what it has
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     deadline = time.time() + args.startup_timeout
     results = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available()
                else "cpu", "args": vars(args), "servers": {}, "runs": [], "identity": {}}
@@ -283,16 +288,17 @@ def main():
                 passes[(w, impl, temp, conc)].append(r)
                 print(f"[bench] pass {rep + 1}/{args.repeats} {w:18s} {impl:14s} c={conc:3d} T={temp} -> "
                       f"{r.get('output_throughput') or r.get('error', '')[:300]}", flush=True)
-            results["runs"] = [median_row(rows, w, impl, temp, conc) for (w, impl, temp, conc), rows in passes.items()]
-            (out / "results.json").write_text(json.dumps(results, indent=1))
+                results["runs"] = [median_row(rows, w, impl, temp, conc)
+                                   for (w, impl, temp, conc), rows in passes.items() if rows]
+                (out / "results.json").write_text(json.dumps(results, indent=1))
     finally:
         for s in servers.values():
             s.stop()
-    if (out / "phases.json").exists():
-        results["phases"] = json.loads((out / "phases.json").read_text())
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    plot(results, out / "throughput.png")
-    print_table(results)
+        if (out / "phases.json").exists():
+            results["phases"] = json.loads((out / "phases.json").read_text())
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        plot(results, out / "throughput.png")
+        print_table(results)
 
 
 METRICS = ("output_throughput", "mean_tpot_ms", "median_tpot_ms", "mean_ttft_ms", "accept_length", "duration")
@@ -326,19 +332,20 @@ def _tput(results, w, impl, conc, temp):
 def print_table(results) -> None:
     rows = sorted({(r["workload"], r["temperature"], r["concurrency"]) for r in results["runs"]})
     print(f"\nmedian of {results['args']['repeats']} passes per cell; spread = (max - min) / median of ours")
-    print("| workload | T | conc | no-spec tok/s | built-in tok/s (τ) | ours tok/s (τ) | ours/no-spec | ours/built-in | ours TPOT ms | spread |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| workload | T | conc | no-spec tok/s | built-in tok/s (τ) | ours tok/s (τ) | ours/no-spec | ours/built-in | ours TPOT ms | spread | ours sync+profiled tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for w, t, c in rows:
         ref_w = "real" if w == "bound_accept_none" else w
         ns, _, _, _ = _tput(results, ref_w, "nospec", c, t)
         bi, bi_tau, _, _ = _tput(results, w, "builtin", c, t)
         ours, ours_tau, ours_tpot, spread = _tput(results, w, "ours", c, t)
+        prof, _, _, _ = _tput(results, w, "ours_profiled", c, t)
         f = lambda x: "—" if x is None else f"{x:,.0f}"
         tau = lambda x: "" if x is None else f" ({x:.2f})"
         ratio = lambda a, b: "—" if not a or not b else f"{a / b:.2f}x"
         print(f"| {w} | {t:g} | {c} | {f(ns)} | {f(bi)}{tau(bi_tau)} | {f(ours)}{tau(ours_tau)} | "
               f"{ratio(ours, ns)} | {ratio(ours, bi)} | {'—' if ours_tpot is None else f'{ours_tpot:.2f}'} | "
-              f"{'—' if spread is None else f'{spread:.0%}'} |")
+              f"{'—' if spread is None else f'{spread:.0%}'} | {f(prof)} |")
     if "phases" in results:
         print("\nsglang-dflash per-phase ms/step (synchronized):", json.dumps(results["phases"]["ms_per_step"]))
     print("identity at T=0 (exact / up to bf16 near-ties):",

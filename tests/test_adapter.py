@@ -105,7 +105,7 @@ def _args(draft, **overrides):
                 dp_size=1, enable_dp_attention=False, disaggregation_mode="null", page_size=1,
                 speculative_draft_window_size=None, attention_backend=None, speculative_eagle_topk=None,
                 speculative_num_steps=None, speculative_dflash_block_size=None, speculative_num_draft_tokens=None,
-                disable_overlap_schedule=False, enable_lora=None, lora_paths=None)
+                disable_overlap_schedule=False, enable_lora=None, lora_paths=None, device=None)
     args.update(overrides)
     return SimpleNamespace(**args)
 
@@ -113,10 +113,30 @@ def _args(draft, **overrides):
 def test_server_args_resolved_from_the_draft(draft_dir):
     from sglang_dflash.adapter.server_args import resolve_server_args
 
-    args = _args(draft_dir)
+    args = _args(draft_dir, device="cuda")
     resolve_server_args(args)
     assert (args.speculative_num_draft_tokens, args.speculative_dflash_block_size) == (8, 8)
-    assert (args.speculative_num_steps, args.speculative_eagle_topk, args.disable_overlap_schedule) == (1, 1, True)
+    assert (args.speculative_num_steps, args.speculative_eagle_topk) == (1, 1)
+    assert args.disable_overlap_schedule is False  # SGLang's overlap schedule serves DFLASH on CUDA
+
+
+@pytest.mark.parametrize("device, env, overlap", [("cuda", None, True), (None, None, True), ("cpu", None, False),
+                                                  ("cpu", "1", True), ("cpu", "0", False)])
+def test_overlap_schedule_where_streams_exist(draft_dir, monkeypatch, device, env, overlap):
+    """Overlap stays on where SGLang runs it (CUDA; SGLang's default device) and is switched off on CPU, unless
+    SGLANG_DFLASH_CPU_OVERLAP=1; --disable-overlap-schedule is always honoured."""
+    from sglang_dflash.adapter.server_args import CPU_OVERLAP_ENV, resolve_server_args
+
+    if env is None:
+        monkeypatch.delenv(CPU_OVERLAP_ENV, raising=False)
+    else:
+        monkeypatch.setenv(CPU_OVERLAP_ENV, env)
+    args = _args(draft_dir, device=device)
+    resolve_server_args(args)
+    assert args.disable_overlap_schedule is (not overlap)
+    args = _args(draft_dir, device=device, disable_overlap_schedule=True)
+    resolve_server_args(args)
+    assert args.disable_overlap_schedule is True
 
 
 def test_data_parallel_replicas_are_accepted(draft_dir):

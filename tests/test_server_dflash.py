@@ -35,6 +35,7 @@ SERVER_ARGS = [*COMMON_ARGS, "--decode-log-interval", "1", "--enable-streaming-s
 MAX_NEW_TOKENS = 32
 PROMPTS_PER_SET = 8  # from each of mtbench / humaneval / gsm8k (held out from drafter training)
 REQUEST_THREADS = 16
+OVERLAP_ENV = {"SGLANG_DFLASH_CPU_OVERLAP": "1"}  # on CPU: run the overlap schedule there too (GPU: the default)
 
 # Short-answer questions whose greedy reply ends with <|im_end|> well inside MAX_EOS_TOKENS
 # (8 to 35 tokens), so EOS lands inside a verify block.
@@ -118,11 +119,14 @@ def servers(target, drafter, tmp_path_factory):
     # previous step's output (one token late), which would make penalized outputs differ for that reason alone.
     processors = "--enable-custom-logit-processor"
     specs = {"nospec": (target, [*SERVER_ARGS, "--disable-overlap-schedule", processors]),
-             "dflash": (target, [*SERVER_ARGS, *dflash_args(drafter[0]), processors, "--enable-metrics"]),
+             # DFLASH under SGLang's overlap schedule, the default on a GPU; the servers the other tests start run
+             # the synchronous scheduler (on CPU without SGLANG_DFLASH_CPU_OVERLAP; elsewhere by the flag)
+             "dflash": (target, [*SERVER_ARGS, *dflash_args(drafter[0]), processors, "--enable-metrics"],
+                        OVERLAP_ENV),
              # memory pressure + chunked prefill: SGLang retracts a running request every few forwards
              # (SGLANG_TEST_RETRACT) and prompts are prefilled in chunks of 64 tokens.
              "dflash_stress": (target, [*SERVER_ARGS, *dflash_args(drafter[0]), "--chunked-prefill-size", "64"],
-                               {"SGLANG_TEST_RETRACT": "1"})}
+                               {"SGLANG_TEST_RETRACT": "1", **OVERLAP_ENV})}
     with launch_servers(specs, log_dir=tmp_path_factory.mktemp("server-logs")) as s:
         yield s
 
@@ -269,7 +273,8 @@ def test_server_info(nospec, dflash, drafter):
     info = dflash.get_server_info()
     assert info["speculative_algorithm"] == "DFLASH"
     assert info["speculative_draft_model_path"] == str(drafter[0])
-    assert info["disable_overlap_schedule"] is True  # forced by the plugin, not passed here
+    # the DFLASH server runs SGLang's overlap schedule (the GPU default; on CPU through SGLANG_DFLASH_CPU_OVERLAP)
+    assert info["disable_overlap_schedule"] is False
     assert info["speculative_num_steps"] == 1 and info["speculative_eagle_topk"] == 1
     block = json.loads((drafter[0] / "config.json").read_text())["block_size"]
     assert info["speculative_dflash_block_size"] == info["speculative_num_draft_tokens"] == block

@@ -34,6 +34,7 @@ EXPECTED_SIGNATURES = {
     "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation": [
         "self", "batch", "forward_batch", "pp_proxy_tensors", "is_verify", "skip_attn_backend_init",
         "capture_hidden_mode"],
+    "sglang.srt.managers.scheduler.Scheduler.is_disable_overlap_for_batch": ["self", "batch", "last_batch"],
     "sglang.srt.session.session_controller.Session._concat_token_arrays": ["last_req", "req", "session_params"],
     "sglang.srt.session.streaming_session.StreamingSession._trim_overshoot": ["self", "req", "finished_len"],
     "sglang.srt.session.streaming_session.StreamingSession._free_kv_aligned": ["self", "pool_idx", "target", "end"],
@@ -120,6 +121,9 @@ def install() -> None:
         "sglang.srt.speculative.dflash_utils.validate_dflash_request", _validate_request, HookType.AROUND
     )
     HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.is_disable_overlap_for_batch", _sync_for_history, HookType.AROUND
+    )
+    HookRegistry.register(
         "sglang.srt.session.session_controller.Session._concat_token_arrays", _session_history_through_stop,
         HookType.AROUND,
     )
@@ -185,6 +189,19 @@ def _serving_dflash() -> bool:
 
     algo = get_spec().speculative_algorithm
     return str(getattr(algo, "name", algo) or "").upper() == "DFLASH" and selected_impl() == "sglang_dflash"
+
+
+def _sync_for_history(original, scheduler, batch, last_batch):
+    """Under the overlap schedule a decode step is launched before the previous step's result is applied, so the
+    requests' output ids (and grammar states) lag one step. A DFLASH batch whose verify logits depend on them
+    (penalties, min_new_tokens, custom logit processors, grammars: `worker.reads_output_history`) has that result
+    applied first, as SGLang does for its own grammar sync."""
+    sync = original(scheduler, batch, last_batch)
+    if sync or batch is None or not batch.forward_mode.is_decode() or not _serving_dflash():
+        return sync
+    from sglang_dflash.adapter.worker import reads_output_history
+
+    return reads_output_history(batch)
 
 
 def _session_history_through_stop(original, last_req, req, session_params):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 from sglang_dflash.config import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, DFlashConfigError, DFlashDraftConfig
 
@@ -82,6 +83,18 @@ def resolve_server_args(server_args) -> None:
     server_args.speculative_eagle_topk = 1
     server_args.speculative_num_draft_tokens = block
     server_args.speculative_dflash_block_size = block
-    if not server_args.disable_overlap_schedule:
-        logger.info("sglang-dflash: DFLASH runs the synchronous scheduler; overlap scheduling disabled.")
+    if not server_args.disable_overlap_schedule and not overlap_supported(server_args):
+        logger.info("sglang-dflash: SGLang's overlap schedule needs CUDA streams; DFLASH on %s runs the synchronous "
+                    "scheduler.", server_args.device)
         server_args.disable_overlap_schedule = True
+
+
+CPU_OVERLAP_ENV = "SGLANG_DFLASH_CPU_OVERLAP"
+
+
+def overlap_supported(server_args) -> bool:
+    """SGLang's overlap schedule (the host prepares step N+1 while the device runs step N) runs on CUDA. On CPU its
+    FutureMap records tensors on streams, which torch does not support there; ``SGLANG_DFLASH_CPU_OVERLAP=1``
+    runs it anyway, for testing the overlap path without a GPU where ``Tensor.record_stream`` accepts CPU
+    streams (the test harness provides that)."""
+    return (server_args.device or "cuda") != "cpu" or os.environ.get(CPU_OVERLAP_ENV) == "1"

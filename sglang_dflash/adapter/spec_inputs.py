@@ -2,7 +2,9 @@
 
 `DFlashDraftState` rides on `ScheduleBatch.spec_info` between steps: the bonus token
 of every request (committed, but its KV not yet written) and the KV reservation the
-scheduler made for the next verify block. `DFlashBlockInput` is the `spec_info` of
+scheduler made for the next verify block. Under SGLang's overlap schedule the bonus
+tokens and committed lengths travel through the scheduler's FutureMap instead
+(`future_indices` set): the next step reads them from there once they exist on the device. `DFlashBlockInput` is the `spec_info` of
 the two per-step forwards (draft block, target verify): both are linear blocks of
 `block_size` tokens per request appended after `seq_lens` committed tokens.
 """
@@ -22,12 +24,17 @@ from sglang.srt.speculative.spec_info import SpecInput, SpecInputType
 
 @dataclass
 class DFlashDraftState(SpecInput):
-    """Carried state: `bonus_tokens [bs]` (int64), one per request."""
+    """Carried state: `bonus_tokens [bs]` (int64), one per request. `future_indices [bs]` (overlap schedule):
+    the FutureMap rows the scheduler resolves `bonus_tokens` and `seq_lens` from before the next step."""
 
     bonus_tokens: torch.Tensor
     block_size: int
     reserved_seq_lens_cpu: Optional[torch.Tensor] = None
     future_indices: Optional[torch.Tensor] = None
+    # FutureMap relay fields of other algorithms (EAGLE's top-k, hidden states); DFLASH relays the bonus only
+    topk_p: Optional[torch.Tensor] = None
+    topk_index: Optional[torch.Tensor] = None
+    hidden_states: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         super().__init__(spec_input_type=SpecInputType.DFLASH_DRAFT)
@@ -68,9 +75,12 @@ class DFlashDraftState(SpecInput):
         self.reserved_seq_lens_cpu = torch.tensor(reserved, dtype=torch.int32)
 
     def filter_batch(self, new_indices: torch.Tensor, new_indices_cpu: Optional[List[int]] = None):
-        keep_cpu = new_indices_cpu if new_indices_cpu is not None else new_indices.cpu()
         if self.reserved_seq_lens_cpu is not None:
+            keep_cpu = new_indices_cpu if new_indices_cpu is not None else new_indices.cpu()
             self.reserved_seq_lens_cpu = self.reserved_seq_lens_cpu[keep_cpu]
+        if self.future_indices is not None:  # the bonus tokens are resolved from these rows
+            self.future_indices = self.future_indices[new_indices]
+            return
         self.bonus_tokens = self.bonus_tokens[new_indices]
 
     def merge_batch(self, other: "DFlashDraftState"):
@@ -78,6 +88,11 @@ class DFlashDraftState(SpecInput):
             self.reserved_seq_lens_cpu = torch.cat([self.reserved_seq_lens_cpu, other.reserved_seq_lens_cpu])
         else:
             self.reserved_seq_lens_cpu = None
+        if self.future_indices is not None or other.future_indices is not None:
+            if self.future_indices is None or other.future_indices is None:
+                raise RuntimeError("sglang-dflash: merging a batch relayed through the FutureMap with one that is not")
+            self.future_indices = torch.cat([self.future_indices, other.future_indices])
+            return
         self.bonus_tokens = torch.cat([self.bonus_tokens, other.bonus_tokens])
 
 

@@ -168,6 +168,17 @@ class DFlashWorker(BaseSpecWorker):
 
     # ---- the step ---------------------------------------------------------------------
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None) -> GenerationBatchResult:
+        """One forward of ``batch``. Under SGLang's overlap schedule ``on_publish(new_seq_lens)`` hands the
+        committed lengths to the scheduler's FutureMap as soon as they are known on the device (the next step is
+        planned from them while this one finishes); ``grammar_barrier`` is unused: batches with a grammar, or
+        whose logits depend on the output so far, run with the previous step's result applied
+        (`hooks._sync_for_history`)."""
+        result = self.step(batch)
+        if on_publish is not None:
+            on_publish(result.new_seq_lens)
+        return result
+
+    def step(self, batch) -> GenerationBatchResult:
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
             self.timer.break_chain()
             return self.prefill(batch)
@@ -326,10 +337,7 @@ class DFlashWorker(BaseSpecWorker):
         """True when accept is the target's argmax alone: all greedy, no grammar, logit bias, min_new_tokens,
         penalties or custom logit processors (what `accept` would otherwise apply)."""
         info = batch.sampling_info
-        if not info.is_all_greedy or batch.has_grammar or info.has_custom_logit_processor or info.logit_bias is not None:
-            return False
-        short, penalized = _short_and_penalized(batch.reqs)
-        return not short and not penalized
+        return info.is_all_greedy and info.logit_bias is None and not reads_output_history(batch)
 
     def apply_grammar(self, batch, draft_tokens: torch.Tensor, logits: torch.Tensor) -> None:
         """Constrained decoding (regex / JSON schema / EBNF / structural tags): block position k of a request with a
@@ -434,6 +442,15 @@ def _params_after(params: dict | None, drafts: list[int]) -> dict | None:
     req.output_ids = copy.copy(req.output_ids)  # a list or an array('q'), as SGLang keeps it
     req.output_ids.extend(drafts)
     return {**params, "__req__": req}
+
+
+def reads_output_history(batch) -> bool:
+    """True when the verify logits of ``batch`` depend on its requests' output so far or their grammar states
+    (what `DFlashWorker.accept` applies beyond the plain target logits, logit_bias aside)."""
+    if batch.has_grammar or batch.sampling_info.has_custom_logit_processor:
+        return True
+    short, penalized = _short_and_penalized(batch.reqs)
+    return bool(short or penalized)
 
 
 def _short_and_penalized(reqs) -> tuple[list[int], list[int]]:
