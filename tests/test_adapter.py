@@ -231,6 +231,70 @@ def test_draft_state_filter_and_merge():
     assert a.bonus_tokens.tolist() == [10, 12, 13] and a.reserved_seq_lens_cpu.tolist() == [20, 22, 23]
 
 
+def test_draft_state_relayed_through_the_future_map_filters_and_merges_its_rows():
+    """Under the overlap schedule the bonus tokens are resolved from FutureMap rows: filter/merge act on those rows
+    (and the host reservation), and a relayed batch cannot be merged with one that is not."""
+    from sglang_dflash.adapter.spec_inputs import DFlashDraftState
+
+    def relayed(rows, reserved):
+        return DFlashDraftState(bonus_tokens=torch.full((len(rows),), -1), block_size=4,
+                                reserved_seq_lens_cpu=torch.tensor(reserved, dtype=torch.int32),
+                                future_indices=torch.tensor(rows))
+
+    a = relayed([7, 3, 9], [20, 21, 22])
+    a.filter_batch(torch.tensor([2, 0]), [2, 0])
+    assert a.future_indices.tolist() == [9, 7] and a.reserved_seq_lens_cpu.tolist() == [22, 20]
+    a.merge_batch(relayed([5], [23]))
+    assert a.future_indices.tolist() == [9, 7, 5] and a.reserved_seq_lens_cpu.tolist() == [22, 20, 23]
+    with pytest.raises(RuntimeError, match="FutureMap"):
+        a.merge_batch(DFlashDraftState(bonus_tokens=torch.tensor([1]), block_size=4))
+    # the FutureMap's relay payload reads these fields of every algorithm's draft state
+    assert (a.topk_p, a.topk_index, a.hidden_states, a.dsa_topk_indices) == (None, None, None, None)
+
+
+def test_overlap_is_kept_only_for_batches_that_do_not_read_the_output_so_far(monkeypatch):
+    """The scheduler applies the previous step's result before a batch runs when `is_disable_overlap_for_batch`
+    says so: SGLang's own reasons, and for DFLASH decode batches with penalties, min_new_tokens not yet reached,
+    custom processors or grammars."""
+    monkeypatch.setattr(hooks, "_serving_dflash", lambda: True)
+
+    def batch(*reqs, decode=True, grammar=False, processors=False, bias=None):
+        info = SimpleNamespace(is_all_greedy=True, has_custom_logit_processor=processors, logit_bias=bias)
+        for r in reqs:
+            r.output_ids = [5, 6]
+        return SimpleNamespace(sampling_info=info, has_grammar=grammar, reqs=list(reqs),
+                               forward_mode=SimpleNamespace(is_decode=lambda: decode))
+
+    def sync(b, sglang_says=False):
+        return hooks._sync_for_history(lambda *a: sglang_says, None, b, None)
+
+    assert not sync(batch(_req(), _req(min_new_tokens=2)))  # plain greedy, min_new_tokens reached
+    assert not sync(batch(_req(), bias=torch.zeros(1, 8)))  # logit_bias does not depend on the output
+    assert sync(batch(_req(), _req(min_new_tokens=3)))
+    assert sync(batch(_req(), grammar=True))
+    assert sync(batch(_req(), processors=True))
+    assert sync(batch(_req(repetition_penalty=1.2)))
+    assert not sync(batch(_req(repetition_penalty=1.2), decode=False))  # a prefill reads no draft history
+    assert sync(batch(_req()), sglang_says=True) and not sync(None)
+    monkeypatch.setattr(hooks, "_serving_dflash", lambda: False)
+    assert not sync(batch(_req(), grammar=True))  # another algorithm: SGLang's rule only
+
+
+def test_every_forward_publishes_its_committed_lengths():
+    """Under the overlap schedule the scheduler plans the next step from the lengths published by this one: the
+    worker hands `on_publish` the result's new_seq_lens on every path (prefill, idle, decode), and nothing when
+    the scheduler is synchronous (no callback)."""
+    from sglang_dflash.adapter.worker import DFlashWorker
+
+    published = []
+    for lens in (torch.tensor([5, 9]), torch.empty(0, dtype=torch.int64)):
+        worker = SimpleNamespace(step=lambda batch, lens=lens: SimpleNamespace(new_seq_lens=lens))
+        result = DFlashWorker.forward_batch_generation(worker, None, on_publish=published.append)
+        assert published[-1] is result.new_seq_lens
+        DFlashWorker.forward_batch_generation(worker, None)
+    assert len(published) == 2
+
+
 def test_mismatched_sglang_refuses_dflash_only():
     """On an SGLang whose hooked symbols differ, DFLASH is refused with the supported version; others still work.
     Runs in a subprocess: installing hooks patches SGLang process-wide."""

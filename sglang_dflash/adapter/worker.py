@@ -22,6 +22,10 @@ On FlashInfer (CUDA) the five phases are captured together as one CUDA graph per
 
 Prefill is the target's own extend with hidden-state capture, followed by
 `commit_kv` for the prompt tokens.
+
+Under SGLang's overlap schedule the step is the same; its committed lengths are published to the
+scheduler's FutureMap when it ends (`forward_batch_generation`), and batches whose logits read the
+output so far run after the previous step's result is applied (`reads_output_history`).
 """
 
 from __future__ import annotations
