@@ -135,6 +135,15 @@ def write_dataset(prompts: list[str], path: Path) -> Path:
     return path
 
 
+_STOPPING = False  # set by SIGTERM: the in-process load generator's catch-all must not swallow the exit
+
+
+def _stop(*_):
+    global _STOPPING
+    _STOPPING = True
+    sys.exit(143)
+
+
 def bench_serving(server: Server, tokenizer: Path, dataset: Path, conc: int, num_prompts: int, out_len: int,
                   temperature: float, out: Path) -> dict:
     """One `sglang.bench_serving` run, in-process (its CLI entry point with our argv)."""
@@ -154,7 +163,9 @@ def bench_serving(server: Server, tokenizer: Path, dataset: Path, conc: int, num
     sys.argv = argv
     try:
         cli_main()
-    except BaseException as e:  # a failed run is recorded, the benchmark goes on
+    except BaseException as e:  # a failed run is recorded, the benchmark goes on (unless it is being stopped)
+        if _STOPPING:
+            raise
         return {"error": f"{type(e).__name__}: {e}"}
     finally:
         sys.argv = saved
@@ -202,6 +213,8 @@ def main():
     ap.add_argument("--profile", action="store_true", help="extra sglang-dflash server with per-phase timing")
     ap.add_argument("--repeats", type=int, default=3, help="passes per cell (median reported)")
     ap.add_argument("--startup-timeout", type=float, default=480)
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds of load after which no further cell starts (the rest are reported as not run)")
     ap.add_argument("--server-flags", default=" ".join(SERVER_FLAGS), help="flags every server gets")
     args = ap.parse_args()
 
@@ -262,7 +275,7 @@ def main():
                                     args.server_flags.split())
         os.environ.pop("SGLANG_DFLASH_PROFILE", None)
     # a benchmark stopped from outside (SIGTERM, e.g. a time limit) still stops its servers and reports what it has
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGTERM, _stop)
     deadline = time.time() + args.startup_timeout
     results = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available()
                else "cpu", "args": vars(args), "servers": {}, "runs": [], "identity": {}}
@@ -281,8 +294,13 @@ def main():
         cells = [(w, impl, s, temp, conc) for (w, impl), s in up.items() for temp in temps for conc in concs
                  if (w == "real" or temp == 0) and (impl != "ours_profiled" or conc in (1, 16))]
         passes = {cell[:2] + cell[3:]: [] for cell in cells}
+        load_start = time.time()
         for rep in range(args.repeats):
             for w, impl, s, temp, conc in cells:
+                if args.time_budget is not None and time.time() - load_start > args.time_budget:
+                    print(f"[bench] time budget of {args.time_budget:g} s spent: pass {rep + 1} stops before "
+                          f"{w} {impl} c={conc} T={temp}", flush=True)
+                    break
                 r = bench_serving(s, target, dataset, conc, max(8, args.prompts_per_level * conc),
                                   args.output_len, temp, out)
                 passes[(w, impl, temp, conc)].append(r)

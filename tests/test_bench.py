@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,24 @@ def test_identity_check_separates_near_tie_partings_from_real_ones():
     assert bench.check_identical([nospec, tie], prompts, 3)["identical_up_to_near_ties"] is True
     same = bench.check_identical([nospec, _FakeServer("x", nospec.replies)], prompts, 3)
     assert same["identical"] is True and same["identical_up_to_near_ties"] is True
+
+
+def test_a_stopped_benchmark_is_not_recorded_as_a_failed_cell(monkeypatch, tmp_path):
+    """bench_serving records a failing load run and goes on, but once SIGTERM arrived (``_stop``) the exit must
+    reach main's cleanup (stop the servers, write what was measured) instead of being recorded as a cell error."""
+    import types
+
+    calls = []
+
+    def cli_main():
+        calls.append(1)
+        raise SystemExit(143) if bench._STOPPING else RuntimeError("load generator failed")
+
+    monkeypatch.setitem(sys.modules, "sglang.benchmark.serving", types.SimpleNamespace(cli_main=cli_main))
+    server = types.SimpleNamespace(name="s", url="http://127.0.0.1:1")
+    args = (server, tmp_path, tmp_path / "d.jsonl", 1, 8, 16, 0.0, tmp_path)
+    assert bench.bench_serving(*args) == {"error": "RuntimeError: load generator failed"}
+    monkeypatch.setattr(bench, "_STOPPING", True)
+    with pytest.raises(SystemExit):
+        bench.bench_serving(*args)
+    assert len(calls) == 2
