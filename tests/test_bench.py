@@ -35,9 +35,12 @@ def test_table_reports_medians_and_spread(capsys):
         bench.median_row([{"output_throughput": v} for v in vals], "real", impl, 0.0, 1)
         for impl, vals in (("nospec", [500.0, 520.0, 480.0]), ("builtin", [400.0, 380.0, 390.0]),
                            ("ours", [450.0, 300.0, 600.0]))]}
+    results["phases"] = {"real": {"ms_per_step": {"step_graph": 2.5}},
+                         "bound_accept_all": {"ms_per_step": {"step_graph": 2.0}}}
     bench.print_table(results)
     out = capsys.readouterr().out
     assert "median of 3 passes per cell" in out
+    assert 'per-phase ms/step, bound_accept_all (synchronous scheduler, synchronized phases): {"step_graph": 2.0}' in out
     assert "| real | 0 | 1 | 500 | 390 | 450 | 0.90x | 1.15x | — | 67% |" in out
 
 
