@@ -4,9 +4,10 @@
 of every request (committed, but its KV not yet written) and the KV reservation the
 scheduler made for the next verify block. Under SGLang's overlap schedule the bonus
 tokens and committed lengths travel through the scheduler's FutureMap instead
-(`future_indices` set): the next step reads them from there once they exist on the device. `DFlashBlockInput` is the `spec_info` of
-the two per-step forwards (draft block, target verify): both are linear blocks of
-`block_size` tokens per request appended after `seq_lens` committed tokens.
+(`future_indices` set): the next step reads them from there once they exist on the
+device. `DFlashBlockInput` is the `spec_info` of the two per-step forwards (draft block,
+target verify): both are linear blocks of `block_size` tokens per request appended
+after `seq_lens` committed tokens.
 """
 
 from __future__ import annotations

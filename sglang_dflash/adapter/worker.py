@@ -173,9 +173,9 @@ class DFlashWorker(BaseSpecWorker):
     # ---- the step ---------------------------------------------------------------------
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None) -> GenerationBatchResult:
         """One forward of ``batch``. Under SGLang's overlap schedule ``on_publish(new_seq_lens)`` hands the
-        committed lengths to the scheduler's FutureMap as soon as they are known on the device (the next step is
-        planned from them while this one finishes); ``grammar_barrier`` is unused: batches with a grammar, or
-        whose logits depend on the output so far, run with the previous step's result applied
+        committed lengths to the scheduler's FutureMap once the step is enqueued (the scheduler waits for them on
+        the device before it plans the next step); ``grammar_barrier`` is unused: batches with a grammar, or whose
+        logits depend on the output so far, run with the previous step's result applied
         (`hooks._sync_for_history`)."""
         result = self.step(batch)
         if on_publish is not None:
