@@ -34,7 +34,7 @@ def default_attention_backend(server_args, sglang_default: str) -> str:
     torch_native on CPU, flashinfer on CUDA when installed, else triton."""
     if sglang_default in _SUPPORTED_BACKENDS:
         return sglang_default
-    if (server_args.device or "cuda") == "cpu":
+    if _on_cpu(server_args):
         return "torch_native"
     from sglang.srt.utils import is_flashinfer_available, is_hip
 
@@ -97,4 +97,9 @@ def overlap_supported(server_args) -> bool:
     FutureMap records tensors on streams, which torch does not support there; ``SGLANG_DFLASH_CPU_OVERLAP=1``
     runs it anyway, for testing the overlap path without a GPU where ``Tensor.record_stream`` accepts CPU
     streams (the test harness provides that)."""
-    return (server_args.device or "cuda") != "cpu" or os.environ.get(CPU_OVERLAP_ENV) == "1"
+    return not _on_cpu(server_args) or os.environ.get(CPU_OVERLAP_ENV) == "1"
+
+
+def _on_cpu(server_args) -> bool:
+    """DFLASH is served on CPU (``--device cpu``; SGLang's default device is CUDA)."""
+    return (server_args.device or "cuda") == "cpu"
