@@ -23,8 +23,10 @@ spawns. Nothing in the package imports it.
    ``sglang.srt.constrained.xgrammar_backend`` is imported, its allocator is replaced by an unpinned one and
    CPU logits are masked with xgrammar's own CPU ``apply_token_bitmask_inplace`` (same bitmask semantics).
 
-4. SGLang's overlap scheduler calls ``Tensor.record_stream``, which torch refuses for CPU streams: a no-op for
-   CPU tensors here, so the overlap schedule can run on CPU (see item 4 below).
+4. SGLang's overlap scheduler (FutureMap, the scheduler's batch pinning) calls ``Tensor.record_stream`` with the
+   device's current stream, which torch accepts only for CUDA streams ("unknown parameter type"). On CPU there is
+   one stream and nothing to record, so a CPU tensor's ``record_stream`` is a no-op here; with it the overlap
+   schedule runs on CPU (sglang-dflash allows it with ``SGLANG_DFLASH_CPU_OVERLAP=1``).
 """
 
 import ctypes
@@ -150,10 +152,7 @@ class _PatchAfterImport:
 sys.meta_path.insert(0, _PatchAfterImport(_XGRAMMAR, _patch_xgrammar_backend))
 
 
-# 4. SGLang's overlap scheduler (FutureMap, the scheduler's batch pinning) calls ``Tensor.record_stream`` with the
-#    device's current stream; torch accepts only CUDA streams there ("unknown parameter type" for a CPU stream).
-#    On CPU there is one stream and nothing to record, so a CPU tensor's record_stream is a no-op. With it, the
-#    overlap schedule runs on CPU (sglang-dflash lets it with SGLANG_DFLASH_CPU_OVERLAP=1).
+# 4. record_stream: a no-op for CPU tensors (see the module docstring)
 _record_stream = torch.Tensor.record_stream
 
 
