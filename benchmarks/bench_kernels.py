@@ -3,7 +3,7 @@
 For batch 1/16/64/256 and block 8/16, on CUDA:
   * ``build_block`` (slot gathering on) and ``accept_tokens``: the Triton launcher and the torch ref;
     also ``build_block`` with its value checks on (``triton+checks``: one device sync per call);
-  * an empty ``@triton.jit`` kernel with the same grid;
+  * an empty ``@triton.jit`` kernel with the same grid and warps (one per program);
 each timed three ways (median microseconds per call):
   * ``bench_us``: ``triton.testing.do_bench``, device events around each call, with do_bench's
     L2 flush before it (the flush runs while the host launches, so launch overhead is partly hidden);
@@ -140,7 +140,8 @@ def main() -> int:
             timed(pass_idx, "build_block", b, block_size, "torch_ref", lambda: build_block_ref(*bargs))
             timed(pass_idx, "accept_tokens", b, block_size, "triton", lambda: accept_tokens(*acc))
             timed(pass_idx, "accept_tokens", b, block_size, "torch_ref", lambda: accept_ref(*acc))
-            timed(pass_idx, "empty_launch", b, block_size, "triton", lambda: _empty_kernel[(b,)](dummy))
+            timed(pass_idx, "empty_launch", b, block_size, "triton",
+                  lambda: _empty_kernel[(b,)](dummy, num_warps=1))  # the launch config of ours
 
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 python=platform.python_version(), rep_ms=args.rep_ms,

@@ -67,8 +67,10 @@ def _accept_kernel(
     has_draft = offs + 1 < BLOCK_SIZE
     base = req * BLOCK_SIZE
 
+    # every load up front: one round trip to memory
     target = tl.load(target_ptr + base + offs, mask=in_block, other=0)
     next_draft = tl.load(draft_ptr + base + offs + 1, mask=has_draft, other=0)
+    seq_len = tl.load(seq_lens_ptr + req)
     # First mismatch; lane B-1 has no draft, so accept_len <= B-1.
     accept_len = tl.min(tl.where((next_draft == target) & has_draft, BLOCK_P2, offs), axis=0)
     bonus = tl.sum(tl.where(offs == accept_len, target, 0), axis=0)
@@ -78,7 +80,6 @@ def _accept_kernel(
     tl.store(committed_ptr + base + offs, committed.to(tl.int64), mask=in_block)
     tl.store(accept_lens_ptr + req, accept_len.to(tl.int64))
     tl.store(bonus_ptr + req, bonus.to(tl.int64))
-    seq_len = tl.load(seq_lens_ptr + req)
     tl.store(new_seq_lens_ptr + req, seq_len + accept_len.to(tl.int64) + 1)
 
 
@@ -153,5 +154,6 @@ def accept_tokens(
             out[3],
             BLOCK_SIZE=block_size,
             BLOCK_P2=triton.next_power_of_2(block_size),
+            num_warps=1,  # a block is <= 64 lanes: one warp per request, reductions in registers
         )
     return out[0], out[1], out[2], out[3]

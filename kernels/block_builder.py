@@ -219,5 +219,6 @@ def build_block(
         BLOCK_SIZE=block_size,
         BLOCK_P2=triton.next_power_of_2(block_size),
         GATHER_SLOTS=gather,
+        num_warps=1,  # a block is <= 64 lanes: one warp per request
     )
     return out[0], out[1], out[2]

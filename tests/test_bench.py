@@ -41,7 +41,14 @@ def test_table_reports_medians_and_spread(capsys):
     out = capsys.readouterr().out
     assert "median of 3 passes per cell" in out
     assert 'per-phase ms/step, bound_accept_all (synchronous scheduler, synchronized phases): {"step_graph": 2.0}' in out
-    assert "| real | 0 | 1 | 500 | 390 | 450 | 0.90x | 1.15x | — | 67% |" in out
+    assert "| real | 0 | 1 | 500 | 390 | 450 | 0.90x | 1.15x | — | — | — | — | 67% | — |" in out
+    timed = {"args": {"repeats": 1}, "identity": {}, "runs": [
+        bench.median_row([{"output_throughput": 1000.0, "mean_tpot_ms": 0.25, "mean_ttft_ms": 20.0,
+                           "accept_length": 16.0}], "bound_accept_all", "ours", 0.0, 1),
+        bench.median_row([{"output_throughput": 100.0, "mean_tpot_ms": 1.5}], "bound_accept_all", "nospec", 0.0, 1)]}
+    bench.print_table(timed)
+    assert "| bound_accept_all | 0 | 1 | 100 | — | 1,000 (16.00) | 10.00x | — | 20.00 | 0.25 | 4.00 | 1.50 | 0% | — |" \
+        in capsys.readouterr().out
 
 
 class _FakeServer:
@@ -74,6 +81,28 @@ def test_identity_check_separates_near_tie_partings_from_real_ones():
     assert bench.check_identical([nospec, tie], prompts, 3)["identical_up_to_near_ties"] is True
     same = bench.check_identical([nospec, _FakeServer("x", nospec.replies)], prompts, 3)
     assert same["identical"] is True and same["identical_up_to_near_ties"] is True
+
+
+def test_load_requests_keep_special_tokens_in_the_text(monkeypatch, tmp_path):
+    """bench_serving times the first token at the first chunk with text: the bound_accept_all models emit a
+    special token, so the requests keep special tokens (else TTFT reads 0 and TPOT holds the whole latency)."""
+    import json
+    import types
+
+    seen = []
+
+    def cli_main():
+        seen.append(list(sys.argv))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setitem(sys.modules, "sglang.benchmark.serving", types.SimpleNamespace(cli_main=cli_main))
+    server = types.SimpleNamespace(name="s", url="http://127.0.0.1:1")
+    bench.bench_serving(server, tmp_path, tmp_path / "d.jsonl", 4, 8, 512, 1.0, tmp_path)
+    argv = seen[0]
+    body = json.loads(argv[argv.index("--extra-request-body") + 1])
+    assert body == {"sampling_params": {"temperature": 1.0, "max_new_tokens": 512, "ignore_eos": False,
+                                        "skip_special_tokens": False}}
+    assert argv[argv.index("--sharegpt-output-len") + 1] == "512" and "--disable-ignore-eos" in argv
 
 
 def test_a_stopped_benchmark_is_not_recorded_as_a_failed_cell(monkeypatch, tmp_path):
