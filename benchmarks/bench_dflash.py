@@ -183,6 +183,18 @@ def bench_serving(server: Server, tokenizer: Path, dataset: Path, conc: int, num
                                     "accept_length", "completed", "total_output_tokens", "duration")}
 
 
+def timeline_delta(before: dict, after: dict) -> dict:
+    """Two snapshots of a server's StepTimeline summary ({key: {count, mean_ms}}) -> the calls in between, same form
+    (the server rewrites its file every 20 calls, so a cell's last few calls may count towards the next cell)."""
+    got = {}
+    for key, a in after.items():
+        b = before.get(key, {"count": 0, "mean_ms": 0.0})
+        n = a["count"] - b["count"]
+        if n > 0:
+            got[key] = {"count": n, "mean_ms": (a["mean_ms"] * a["count"] - b["mean_ms"] * b["count"]) / n}
+    return got
+
+
 def check_identical(servers: list[Server], prompts_ids: list[list[int]], max_new_tokens: int) -> dict:
     """Greedy replies of every server to every prompt against the first server's (the reference, with top
     logprobs): per server the prompts whose reply differs, and of those the ones that part at a near-tie of the
@@ -222,6 +234,9 @@ def main():
     ap.add_argument("--workloads", default="real,bound_accept_all,bound_accept_none")
     ap.add_argument("--impls", default="nospec,builtin,ours")
     ap.add_argument("--profile", action="store_true", help="extra sglang-dflash server with per-phase timing")
+    ap.add_argument("--timeline", action="store_true",
+                    help="the sglang-dflash servers record where a step's time goes (device busy / idle, host in and "
+                         "out of the worker; CUDA events, no synchronization: SGLANG_DFLASH_TIMELINE)")
     ap.add_argument("--repeats", type=int, default=3, help="passes per cell (median reported)")
     ap.add_argument("--startup-timeout", type=float, default=480)
     ap.add_argument("--time-budget", type=float, default=None,
@@ -282,9 +297,12 @@ def main():
             # server runs the synchronous scheduler (so it also shows what the overlap schedule buys)
             os.environ["SGLANG_DFLASH_PROFILE"] = str(out / f"phases_{w}.json")
             extra = [*extra, "--disable-overlap-schedule"]
+        if impl == "ours" and args.timeline:
+            os.environ["SGLANG_DFLASH_TIMELINE"] = str(out / f"timeline_{w}.json")
         servers[(w, impl)] = Server(f"{w}_{impl}", tgt, None if impl == "nospec" else drf, env_impl, out, extra,
                                     args.server_flags.split())
         os.environ.pop("SGLANG_DFLASH_PROFILE", None)
+        os.environ.pop("SGLANG_DFLASH_TIMELINE", None)
     # a benchmark stopped from outside (SIGTERM, e.g. a time limit) still stops its servers and reports what it has
     signal.signal(signal.SIGTERM, _stop)
     deadline = time.time() + args.startup_timeout
@@ -306,6 +324,7 @@ def main():
                  if (w == "real" or temp == 0) and (impl != "ours_profiled" or conc in (1, 16))]
         passes = {cell[:2] + cell[3:]: [] for cell in cells}
         load_start = time.time()
+        timeline_seen = {}  # workload -> the last timeline snapshot of its sglang-dflash server
         for rep in range(args.repeats):
             for w, impl, s, temp, conc in cells:
                 if args.time_budget is not None and time.time() - load_start > args.time_budget:
@@ -315,6 +334,11 @@ def main():
                 r = bench_serving(s, target, dataset, conc, max(8, args.prompts_per_level * conc),
                                   args.accept_all_output_len or args.output_len if w == "bound_accept_all"
                                   else args.output_len, temp, out)
+                tl_path = out / f"timeline_{w}.json"
+                if impl == "ours" and tl_path.exists():  # this cell's share of the server's cumulative timeline
+                    snap = json.loads(tl_path.read_text())["timeline"]
+                    r["timeline"] = timeline_delta(timeline_seen.get(w, {}), snap)
+                    timeline_seen[w] = snap
                 passes[(w, impl, temp, conc)].append(r)
                 print(f"[bench] pass {rep + 1}/{args.repeats} {w:18s} {impl:14s} c={conc:3d} T={temp} -> "
                       f"{r.get('output_throughput') or r.get('error', '')[:300]}", flush=True)
@@ -326,6 +350,8 @@ def main():
             s.stop()
         results["phases"] = {w: json.loads((out / f"phases_{w}.json").read_text())
                              for w in workloads if (out / f"phases_{w}.json").exists()}
+        results["timeline"] = {w: json.loads((out / f"timeline_{w}.json").read_text())
+                               for w in workloads if (out / f"timeline_{w}.json").exists()}
         (out / "results.json").write_text(json.dumps(results, indent=1))
         plot(results, out / "throughput.png")
         print_table(results)
@@ -384,6 +410,9 @@ def print_table(results) -> None:
     for w, phases in results.get("phases", {}).items():
         print(f"\nsglang-dflash per-phase ms/step, {w} (synchronous scheduler, synchronized phases):",
               json.dumps(phases["ms_per_step"]))
+    for w, tl in results.get("timeline", {}).items():
+        print(f"\nsglang-dflash timeline, {w} (all cells of the server; mean ms, count):",
+              json.dumps({k: (round(v["mean_ms"], 3), v["count"]) for k, v in tl["timeline"].items()}))
     print("identity at T=0 (exact / up to bf16 near-ties):",
           {w: (v["identical"], v["identical_up_to_near_ties"]) for w, v in results["identity"].items()})
 

@@ -284,15 +284,22 @@ def test_every_forward_publishes_its_committed_lengths():
     """Under the overlap schedule the scheduler plans the next step from the lengths published by this one: the
     worker hands `on_publish` the result's new_seq_lens on every path (prefill, idle, decode), and nothing when
     the scheduler is synchronous (no callback)."""
+    from sglang_dflash.adapter.profiling import StepTimeline
     from sglang_dflash.adapter.worker import DFlashWorker
 
-    published = []
-    for lens in (torch.tensor([5, 9]), torch.empty(0, dtype=torch.int64)):
-        worker = SimpleNamespace(step=lambda batch, lens=lens: SimpleNamespace(new_seq_lens=lens))
-        result = DFlashWorker.forward_batch_generation(worker, None, on_publish=published.append)
+    def batch(mode, bs=2):
+        forward_mode = SimpleNamespace(is_extend=lambda: mode == "extend", is_idle=lambda: mode == "idle")
+        return SimpleNamespace(forward_mode=forward_mode, is_extend_in_batch=False, batch_size=lambda: bs)
+
+    published, kinds = [], []
+    for b, lens in ((batch("decode"), torch.tensor([5, 9])), (batch("extend"), torch.tensor([3, 4])),
+                    (batch("idle", 0), torch.empty(0, dtype=torch.int64))):
+        step = lambda batch, kind, lens=lens: kinds.append(kind) or SimpleNamespace(new_seq_lens=lens)
+        worker = SimpleNamespace(step=step, timeline=StepTimeline(None))
+        result = DFlashWorker.forward_batch_generation(worker, b, on_publish=published.append)
         assert published[-1] is result.new_seq_lens
-        DFlashWorker.forward_batch_generation(worker, None)
-    assert len(published) == 2
+        DFlashWorker.forward_batch_generation(worker, b)
+    assert len(published) == 3 and kinds == ["decode", "decode", "prefill", "prefill", "idle", "idle"]
 
 
 def test_mismatched_sglang_refuses_dflash_only():
@@ -469,6 +476,63 @@ def test_phase_timer_counts_only_gaps_between_back_to_back_decode_steps(tmp_path
         pass
     off.end_step()
     assert off.steps == 0
+
+
+def test_step_timeline_adds_up_device_and_host_time_once_events_complete(tmp_path, monkeypatch):
+    import json
+
+    from sglang_dflash.adapter import profiling
+
+    clock = {"host": 0.0, "device_ms": 0.0, "drained": False}  # drained: the device has run everything
+    made = []
+
+    class FakeEvent:  # a timing event stamped with the fake device clock when recorded
+        def __init__(self):
+            self.t, self.done = None, False
+            made.append(self)
+
+        def record(self):
+            self.t = clock["device_ms"]
+
+        def query(self):
+            return self.done or clock["drained"]
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    monkeypatch.setattr(profiling.time, "perf_counter", lambda: clock["host"])
+    tl = profiling.StepTimeline(str(tmp_path / "timeline.json"), FakeEvent)
+
+    def call(kind, host_start, host_end, dev_start, dev_end):
+        clock["host"], clock["device_ms"] = host_start, dev_start
+        mark = tl.begin(kind)
+        clock["host"], clock["device_ms"] = host_end, dev_end
+        tl.end(mark)
+
+    call("decode", 0.000, 0.001, 0.0, 2.0)
+    assert tl.resolved == 0 and len(tl.pending) == 1  # its events have not completed: nothing is waited for
+    made[0].done = made[1].done = True
+    call("decode", 0.0015, 0.0025, 2.5, 4.5)  # resolves the first call only
+    assert tl.resolved == 1 and len(tl.pending) == 1
+    clock["drained"] = True
+    call("prefill", 0.5, 0.503, 10.0, 13.0)  # 0.5 s after: the server was idle, no pair is recorded
+    got = tl.summary()
+    assert got["decode.device_ms"] == {"count": 2, "mean_ms": 2.0}
+    assert got["decode.host_ms"]["count"] == 2 and abs(got["decode.host_ms"]["mean_ms"] - 1.0) < 1e-9
+    assert got["decode->decode.device_idle_ms"] == {"count": 1, "mean_ms": 0.5}
+    assert abs(got["decode->decode.host_between_ms"]["mean_ms"] - 0.5) < 1e-9
+    assert got["prefill.device_ms"] == {"count": 1, "mean_ms": 3.0}
+    assert not any(k.startswith("decode->prefill") for k in got)
+    tl.write()
+    assert json.loads((tmp_path / "timeline.json").read_text()) == {"calls": 3, "timeline": got}
+
+    monkeypatch.setenv("SGLANG_DFLASH_TIMELINE", str(tmp_path / "t.json"))
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        profiling.StepTimeline.from_env("cpu")
+    monkeypatch.delenv("SGLANG_DFLASH_TIMELINE")
+    off = profiling.StepTimeline.from_env("cpu")
+    off.end(off.begin("decode"))
+    assert off.resolved == 0 and not off.pending
 
 
 def test_prepare_for_decode_reserves_two_blocks_past_the_committed_length(monkeypatch):

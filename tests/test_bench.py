@@ -83,6 +83,16 @@ def test_identity_check_separates_near_tie_partings_from_real_ones():
     assert same["identical"] is True and same["identical_up_to_near_ties"] is True
 
 
+def test_timeline_delta_is_the_calls_between_two_snapshots():
+    before = {"decode.device_ms": {"count": 10, "mean_ms": 2.0}, "prefill.device_ms": {"count": 2, "mean_ms": 5.0}}
+    after = {"decode.device_ms": {"count": 30, "mean_ms": 3.0}, "prefill.device_ms": {"count": 2, "mean_ms": 5.0},
+             "decode->decode.device_idle_ms": {"count": 4, "mean_ms": 0.5}}
+    got = bench.timeline_delta(before, after)
+    assert got == {"decode.device_ms": {"count": 20, "mean_ms": 3.5},  # (90 - 20) / 20
+                   "decode->decode.device_idle_ms": {"count": 4, "mean_ms": 0.5}}
+    assert bench.timeline_delta({}, before) == before
+
+
 def test_load_requests_keep_special_tokens_in_the_text(monkeypatch, tmp_path):
     """bench_serving times the first token at the first chunk with text: the bound_accept_all models emit a
     special token, so the requests keep special tokens (else TTFT reads 0 and TPOT holds the whole latency)."""

@@ -1,5 +1,6 @@
-"""Per-phase timing of the DFLASH decode step (`SGLANG_DFLASH_PROFILE=path.json`).
+"""Timing of the DFLASH worker, off by default; two recorders.
 
+`PhaseTimer` (`SGLANG_DFLASH_PROFILE=path.json`): per-phase times of the decode step.
 Off by default: `PhaseTimer.from_env` then returns a timer whose phases are no-op
 context managers. When on, each phase is bracketed by a device synchronize, so the
 numbers are exact per phase but the step runs without CUDA-graph-level overlap
@@ -7,6 +8,13 @@ between phases; "scheduler" is the wall time between the end of one decode step 
 the start of the next (everything SGLang does outside the worker), averaged over
 back-to-back decode steps only: a prefill or idle step in between (`break_chain`)
 or a gap over IDLE_GAP_S (the server waiting for requests) starts a new chain.
+
+`StepTimeline` (`SGLANG_DFLASH_TIMELINE=path.json`, CUDA): where the time of a served step goes, measured
+without synchronizing, so the overlap schedule runs as it does unprofiled. Every worker call (decode,
+prefill, idle) is bracketed by two timing events on its stream and two host timestamps; once the events
+have completed (polled, never waited for) the recorder adds up, per kind of call: its device time (first
+to last event), its host time in the worker, and between consecutive calls the device idle time (the
+stream waiting for the host to enqueue the next call) and the host time outside the worker.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ import contextlib
 import json
 import os
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 
 import torch
 
@@ -79,3 +87,74 @@ def _null_ctx():
 
 def _null_phase(name: str):
     return _null_ctx()
+
+
+class StepTimeline:
+    """Device-event timeline of the worker's calls (see the module docstring). ``event`` makes a timing event
+    (``torch.cuda.Event(enable_timing=True)``; tests pass a fake); ``path`` None turns every method into a no-op.
+    ``begin(kind)`` -> mark, ``end(mark)``; the JSON (rewritten every ``WRITE_EVERY`` resolved calls) holds per
+    key the count and the mean in ms: ``<kind>.device_ms``, ``<kind>.host_ms``, and for each consecutive pair
+    ``<a>-><b>.device_idle_ms`` / ``<a>-><b>.host_between_ms`` (pairs further apart than IDLE_GAP_S on the host
+    are the server waiting for requests and are left out)."""
+
+    WRITE_EVERY = 20
+
+    def __init__(self, path: str | None, event=None):
+        self.path = path
+        self.event = event
+        self.pending = deque()  # (kind, host_start, host_end, start_event, end_event), in call order
+        self.last = None  # (kind, host_end, end_event) of the last resolved call
+        self.sums = defaultdict(float)
+        self.counts = defaultdict(int)
+        self.resolved = 0
+
+    @classmethod
+    def from_env(cls, device) -> "StepTimeline":
+        path = os.environ.get("SGLANG_DFLASH_TIMELINE") or None
+        if path is None:
+            return cls(None)
+        if not str(device).startswith("cuda"):
+            raise ValueError("sglang-dflash: SGLANG_DFLASH_TIMELINE times the worker with CUDA events and needs a "
+                             f"CUDA device (this worker runs on {device}); use SGLANG_DFLASH_PROFILE instead")
+        return cls(path, lambda: torch.cuda.Event(enable_timing=True))
+
+    def begin(self, kind: str):
+        if self.path is None:
+            return None
+        ev = self.event()
+        ev.record()
+        return kind, time.perf_counter(), ev
+
+    def end(self, mark) -> None:
+        if mark is None:
+            return
+        ev = self.event()
+        ev.record()
+        kind, host_start, start_ev = mark
+        self.pending.append((kind, host_start, time.perf_counter(), start_ev, ev))
+        self._resolve_completed()
+
+    def _add(self, key: str, ms: float) -> None:
+        self.sums[key] += ms
+        self.counts[key] += 1
+
+    def _resolve_completed(self) -> None:
+        while self.pending and self.pending[0][4].query():
+            kind, host_start, host_end, start_ev, end_ev = self.pending.popleft()
+            self._add(f"{kind}.device_ms", start_ev.elapsed_time(end_ev))
+            self._add(f"{kind}.host_ms", 1e3 * (host_end - host_start))
+            if self.last is not None and host_start - self.last[1] < IDLE_GAP_S:
+                pair = f"{self.last[0]}->{kind}"
+                self._add(f"{pair}.device_idle_ms", self.last[2].elapsed_time(start_ev))
+                self._add(f"{pair}.host_between_ms", 1e3 * (host_start - self.last[1]))
+            self.last = (kind, host_end, end_ev)
+            self.resolved += 1
+            if self.resolved % self.WRITE_EVERY == 0:
+                self.write()
+
+    def summary(self) -> dict:
+        return {k: {"count": self.counts[k], "mean_ms": self.sums[k] / self.counts[k]} for k in sorted(self.sums)}
+
+    def write(self) -> None:
+        with open(self.path, "w") as f:
+            json.dump({"calls": self.resolved, "timeline": self.summary()}, f, indent=1)

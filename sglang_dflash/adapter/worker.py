@@ -48,7 +48,7 @@ from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_m
 
 from sglang_dflash.adapter.commit_graphs import CommitGraphs
 from sglang_dflash.adapter.draft_model import SGLangDFlashDraft
-from sglang_dflash.adapter.profiling import PhaseTimer
+from sglang_dflash.adapter.profiling import PhaseTimer, StepTimeline
 from sglang_dflash.adapter.spec_inputs import DFlashBlockInput, DFlashDraftState
 from sglang_dflash.adapter.step_graphs import StepGraphs
 from sglang_dflash.config import DFlashDraftConfig
@@ -97,6 +97,7 @@ class DFlashWorker(BaseSpecWorker):
         self.draft_runner = self._draft_worker.model_runner
         self.draft_model: SGLangDFlashDraft = self.draft_runner.model
         self.timer = PhaseTimer.from_env(self.device)
+        self.timeline = StepTimeline.from_env(self.device)
         self.output_counts = None  # OutputCounts for the penalties, made at the first penalized step (logits width)
         self.commit_block_kv = self.commit_kv  # CommitGraphs once the CUDA graphs are captured (init_cuda_graphs)
         self.step_graphs: StepGraphs | None = None  # the whole step as CUDA graphs (init_cuda_graphs, FlashInfer)
@@ -177,18 +178,19 @@ class DFlashWorker(BaseSpecWorker):
         the device before it plans the next step); ``grammar_barrier`` is unused: batches with a grammar, or whose
         logits depend on the output so far, run with the previous step's result applied
         (`hooks._sync_for_history`)."""
-        result = self.step(batch)
+        kind = _call_kind(batch)
+        mark = self.timeline.begin(kind)
+        result = self.step(batch, kind)
         if on_publish is not None:
             on_publish(result.new_seq_lens)
+        self.timeline.end(mark)
         return result
 
-    def step(self, batch) -> GenerationBatchResult:
-        if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+    def step(self, batch, kind: str) -> GenerationBatchResult:
+        """``kind``: `_call_kind(batch)`."""
+        if kind != "decode":
             self.timer.break_chain()
-            return self.prefill(batch)
-        if batch.forward_mode.is_idle() or batch.batch_size() == 0:
-            self.timer.break_chain()
-            return self.idle()
+            return self.prefill(batch) if kind == "prefill" else self.idle()
         state: DFlashDraftState = batch.spec_info
         t = self.timer.start_step(batch.batch_size())
         if self.step_graphs is not None and self.step_graphs.padded_size(batch.batch_size()) is not None:
@@ -426,6 +428,15 @@ class DFlashWorker(BaseSpecWorker):
 
     def commit_kv(self, aux_hidden: torch.Tensor, positions: torch.Tensor, cache_loc: torch.Tensor) -> None:
         self.draft_model.write_context_kv(aux_hidden, positions, cache_loc, self.draft_runner.token_to_kv_pool)
+
+
+def _call_kind(batch) -> str:
+    """prefill / idle / decode: which path `DFlashWorker.step` takes for ``batch``."""
+    if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+        return "prefill"
+    if batch.forward_mode.is_idle() or batch.batch_size() == 0:
+        return "idle"
+    return "decode"
 
 
 class _Block:
