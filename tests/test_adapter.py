@@ -535,6 +535,65 @@ def test_step_timeline_adds_up_device_and_host_time_once_events_complete(tmp_pat
     assert off.resolved == 0 and not off.pending
 
 
+def test_host_bound_planning_is_opt_in_flashinfer_only_and_plans_from_an_upper_bound(monkeypatch):
+    """SGLANG_DFLASH_HOST_BOUND_PLAN=1: the step's attention is planned from the KV reservation less one block (an
+    upper bound of the committed length, which lags by at most one step on the host), and the worker tells SGLang's
+    FutureMap that none of its backends needs the host mirror; refused on backends that read host lengths as exact."""
+    from sglang_dflash.adapter import server_args
+    from sglang_dflash.adapter.spec_inputs import DFlashDraftState
+    from sglang_dflash.adapter.worker import DFlashWorker
+
+    monkeypatch.delenv(server_args.HOST_BOUND_PLAN_ENV, raising=False)
+    assert server_args.host_bound_plan("flashinfer") is False and server_args.host_bound_plan("torch_native") is False
+    monkeypatch.setenv(server_args.HOST_BOUND_PLAN_ENV, "1")
+    assert server_args.host_bound_plan("flashinfer") is True
+    with pytest.raises(ValueError, match="needs --attention-backend flashinfer"):
+        server_args.host_bound_plan("torch_native")
+
+    B = 4
+    state = DFlashDraftState(bonus_tokens=torch.zeros(3, dtype=torch.int64), block_size=B)
+    state.reserved_seq_lens_cpu = torch.tensor([13, 20, 17], dtype=torch.int32)
+    batch = SimpleNamespace(seq_lens_cpu=torch.tensor([5, 3, 9]))
+    backends = ("target backend", "draft backend")
+    runners = dict(target_runner=SimpleNamespace(attn_backend=backends[0]),
+                   draft_runner=SimpleNamespace(attn_backend=backends[1]))
+    exact = SimpleNamespace(host_bound_plan=False, block_size=B, **runners)
+    bound = SimpleNamespace(host_bound_plan=True, block_size=B, **runners)
+    got = DFlashWorker.planned_prefix_lens(exact, batch, state)
+    assert got.tolist() == [5, 3, 9] and got.dtype == torch.int64
+    got = DFlashWorker.planned_prefix_lens(bound, SimpleNamespace(seq_lens_cpu=None), state)
+    assert got.tolist() == [9, 16, 13] and got.dtype == torch.int64
+    assert DFlashWorker.spec_v2_attn_backends.fget(exact) == backends
+    assert DFlashWorker.spec_v2_attn_backends.fget(bound) == ()
+
+
+def test_reservation_bounds_the_verify_length_one_step_ahead(monkeypatch):
+    """What host-bound planning relies on: after prepare_for_decode on the host's lagging committed length c, the
+    verify of a request that committed 1..B more tokens in the step in flight reads at most c + 2B kv entries, and
+    the reservation the plan uses is at least that."""
+    from sglang_dflash.adapter import spec_inputs
+
+    counter = [1000]
+
+    def alloc(tree_cache, n):
+        counter[0] += n
+        return torch.arange(counter[0] - n, counter[0], dtype=torch.int64)
+
+    monkeypatch.setattr(spec_inputs, "alloc_token_slots", alloc)
+    B = 16
+    for committed, allocated in ((5, 6), (30, 100), (61, 64)):
+        req = SimpleNamespace(req_pool_idx=0, kv_committed_len=committed, kv=SimpleNamespace(kv_allocated_len=allocated))
+        req_to_token = torch.full((1, 256), -1, dtype=torch.int32)
+        batch = SimpleNamespace(reqs=[req], batch_size=lambda: 1, tree_cache=None,
+                                req_to_token_pool=SimpleNamespace(req_to_token=req_to_token))
+        state = spec_inputs.DFlashDraftState(bonus_tokens=torch.zeros(1, dtype=torch.int64), block_size=B)
+        state.prepare_for_decode(batch)
+        reserved = int(state.reserved_seq_lens_cpu[0])
+        assert (req_to_token[0, allocated:reserved] >= 0).all()  # the slots past the old allocation exist now
+        for in_flight in range(1, B + 1):  # tokens the step in flight commits before this one runs
+            assert committed + in_flight + B <= reserved  # the verify's kv length
+
+
 def test_prepare_for_decode_reserves_two_blocks_past_the_committed_length(monkeypatch):
     from sglang_dflash.adapter import spec_inputs
 

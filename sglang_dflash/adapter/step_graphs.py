@@ -180,9 +180,10 @@ class StepGraphs:
         """The captured batch size a batch of n requests replays (None: larger than every capture)."""
         return padded_rows(n, self.sizes)
 
-    def replay(self, batch, bonus_tokens: torch.Tensor) -> StepOutputs:
-        """One decode step for ``batch`` (n requests, at most the largest captured size); returns the real rows'
-        outputs."""
+    def replay(self, batch, bonus_tokens: torch.Tensor, prefix_lens_cpu: torch.Tensor) -> StepOutputs:
+        """One decode step for ``batch`` (n requests, at most the largest captured size), attention planned from
+        ``prefix_lens_cpu`` [n] (the committed lengths or an upper bound: `DFlashWorker.planned_prefix_lens`);
+        returns the real rows' outputs."""
         n = batch.batch_size()
         m = self.padded_size(n)
         c = self.captured[m]
@@ -194,7 +195,7 @@ class StepGraphs:
             self.seq_lens[n:m].fill_(SEQ_LEN_FILL)
             self.req_pool_indices[n:m].zero_()
             self.valid[n:m].fill_(False)
-        self.plan(c, batch.seq_lens_cpu, n, m)
+        self.plan(c, prefix_lens_cpu, n, m)
         c.graph.replay()
         o = c.outputs
         rows = n * self.B
