@@ -14,7 +14,8 @@ At temperature 0 the benchmark checks that all servers of a workload produce ide
 not, that each reply parts from no-spec only at a bf16 near-tie of it (``sglang_dflash.compare``).
 Every cell (server x temperature x concurrency) runs `--repeats` times, the passes interleaved over all cells
 so that a slow spell of the machine hits every server alike; the table reports the median pass and the spread
-of ours ((max - min) / median). Writes `<out>/results.json` (every pass and the medians), `<out>/throughput.png`,
+of ours ((max - min) / median). `--profile`, `--timeline` and `--host-bound-plan` add diagnostics and variants of
+ours (see their help). Writes `<out>/results.json` (every pass and the medians), `<out>/throughput.png`,
 server logs, and prints a table last.
 
     python benchmarks/bench_dflash.py --target T --draft D --out results/
@@ -183,6 +184,12 @@ def bench_serving(server: Server, tokenizer: Path, dataset: Path, conc: int, num
                                     "accept_length", "completed", "total_output_tokens", "duration")}
 
 
+def pass_order(cells: list, rep: int) -> list:
+    """Cells (workload, impl, server, temperature, concurrency) of pass ``rep`` (0-based): the first pass in plan
+    order, later ones by concurrency (stable), so that a time budget repeats the 1-request cells first."""
+    return list(cells) if rep == 0 else sorted(cells, key=lambda cell: cell[4])
+
+
 def timeline_delta(before: dict, after: dict) -> dict:
     """Two snapshots of a server's StepTimeline summary ({key: {count, mean_ms}}) -> the calls in between, same form
     (the server rewrites its file every 20 calls, so a cell's last few calls may count towards the next cell)."""
@@ -237,7 +244,11 @@ def main():
     ap.add_argument("--timeline", action="store_true",
                     help="the sglang-dflash servers record where a step's time goes (device busy / idle, host in and "
                          "out of the worker; CUDA events, no synchronization: SGLANG_DFLASH_TIMELINE)")
-    ap.add_argument("--repeats", type=int, default=3, help="passes per cell (median reported)")
+    ap.add_argument("--host-bound-plan", action="store_true",
+                    help="extra sglang-dflash server per workload with SGLANG_DFLASH_HOST_BOUND_PLAN=1 (attention "
+                         "planned from an upper bound of the committed lengths; in the identity check too)")
+    ap.add_argument("--repeats", type=int, default=3, help="passes per cell (median reported; from the second "
+                    "pass on, cells run by concurrency, lowest first, so a time budget repeats those first)")
     ap.add_argument("--startup-timeout", type=float, default=480)
     ap.add_argument("--time-budget", type=float, default=None,
                     help="seconds of load after which no further cell starts (the rest are reported as not run)")
@@ -287,6 +298,8 @@ def main():
             plan.append((w, impl))
     if args.profile:  # the real workload and the every-token-accepted bound (16 tokens per step)
         plan += [(w, "ours_profiled") for w in ("real", "bound_accept_all") if w in workloads]
+    if args.host_bound_plan:
+        plan += [(w, "ours_hostbound") for w in workloads]
     servers = {}
     for w, impl in plan:
         tgt, drf = models[w]
@@ -299,10 +312,13 @@ def main():
             extra = [*extra, "--disable-overlap-schedule"]
         if impl == "ours" and args.timeline:
             os.environ["SGLANG_DFLASH_TIMELINE"] = str(out / f"timeline_{w}.json")
+        if impl == "ours_hostbound":
+            os.environ["SGLANG_DFLASH_HOST_BOUND_PLAN"] = "1"
         servers[(w, impl)] = Server(f"{w}_{impl}", tgt, None if impl == "nospec" else drf, env_impl, out, extra,
                                     args.server_flags.split())
         os.environ.pop("SGLANG_DFLASH_PROFILE", None)
         os.environ.pop("SGLANG_DFLASH_TIMELINE", None)
+        os.environ.pop("SGLANG_DFLASH_HOST_BOUND_PLAN", None)
     # a benchmark stopped from outside (SIGTERM, e.g. a time limit) still stops its servers and reports what it has
     signal.signal(signal.SIGTERM, _stop)
     deadline = time.time() + args.startup_timeout
@@ -326,7 +342,7 @@ def main():
         load_start = time.time()
         timeline_seen = {}  # workload -> the last timeline snapshot of its sglang-dflash server
         for rep in range(args.repeats):
-            for w, impl, s, temp, conc in cells:
+            for w, impl, s, temp, conc in pass_order(cells, rep):
                 if args.time_budget is not None and time.time() - load_start > args.time_budget:
                     print(f"[bench] time budget of {args.time_budget:g} s spent: pass {rep + 1} stops before "
                           f"{w} {impl} c={conc} T={temp}", flush=True)
@@ -391,14 +407,16 @@ def print_table(results) -> None:
     rows = sorted({(r["workload"], r["temperature"], r["concurrency"]) for r in results["runs"]})
     print(f"\nmedian of {results['args']['repeats']} passes per cell; spread = (max - min) / median of ours")
     print("| workload | T | conc | no-spec tok/s | built-in tok/s (τ) | ours tok/s (τ) | ours/no-spec | ours/built-in "
-          "| ours TTFT ms | ours TPOT ms | ours ms/step | no-spec TPOT ms | spread | ours sync+profiled tok/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| ours TTFT ms | ours TPOT ms | ours ms/step | no-spec TPOT ms | spread | ours sync+profiled tok/s "
+          "| ours host-bound plan tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for w, t, c in rows:
         ref_w = "real" if w == "bound_accept_none" else w
         ns, _, ns_tpot, _, _ = _tput(results, ref_w, "nospec", c, t)
         bi, bi_tau, _, _, _ = _tput(results, w, "builtin", c, t)
         ours, ours_tau, ours_tpot, spread, ours_ttft = _tput(results, w, "ours", c, t)
         prof = _tput(results, w, "ours_profiled", c, t)[0]
+        hostbound = _tput(results, w, "ours_hostbound", c, t)[0]
         f = lambda x: "—" if x is None else f"{x:,.0f}"
         ms = lambda x: "—" if x is None else f"{x:.2f}"
         tau = lambda x: "" if x is None else f" ({x:.2f})"
@@ -406,7 +424,7 @@ def print_table(results) -> None:
         step = None if ours_tpot is None or ours_tau is None else ours_tpot * ours_tau
         print(f"| {w} | {t:g} | {c} | {f(ns)} | {f(bi)}{tau(bi_tau)} | {f(ours)}{tau(ours_tau)} | "
               f"{ratio(ours, ns)} | {ratio(ours, bi)} | {ms(ours_ttft)} | {ms(ours_tpot)} | {ms(step)} | "
-              f"{ms(ns_tpot)} | {'—' if spread is None else f'{spread:.0%}'} | {f(prof)} |")
+              f"{ms(ns_tpot)} | {'—' if spread is None else f'{spread:.0%}'} | {f(prof)} | {f(hostbound)} |")
     for w, phases in results.get("phases", {}).items():
         print(f"\nsglang-dflash per-phase ms/step, {w} (synchronous scheduler, synchronized phases):",
               json.dumps(phases["ms_per_step"]))
@@ -428,7 +446,7 @@ def plot(results, path: Path) -> None:
         return
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (w, t) in zip(axes[0], panels):
-        for impl in ("nospec", "builtin", "ours"):
+        for impl in ("nospec", "builtin", "ours", "ours_hostbound"):
             src_w = "real" if (w == "bound_accept_none" and impl == "nospec") else w
             pts = sorted((r["concurrency"], r["output_throughput"]) for r in results["runs"]
                          if r["workload"] == src_w and r["impl"] == impl and r["temperature"] == t

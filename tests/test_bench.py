@@ -41,13 +41,13 @@ def test_table_reports_medians_and_spread(capsys):
     out = capsys.readouterr().out
     assert "median of 3 passes per cell" in out
     assert 'per-phase ms/step, bound_accept_all (synchronous scheduler, synchronized phases): {"step_graph": 2.0}' in out
-    assert "| real | 0 | 1 | 500 | 390 | 450 | 0.90x | 1.15x | — | — | — | — | 67% | — |" in out
+    assert "| real | 0 | 1 | 500 | 390 | 450 | 0.90x | 1.15x | — | — | — | — | 67% | — | — |" in out
     timed = {"args": {"repeats": 1}, "identity": {}, "runs": [
         bench.median_row([{"output_throughput": 1000.0, "mean_tpot_ms": 0.25, "mean_ttft_ms": 20.0,
                            "accept_length": 16.0}], "bound_accept_all", "ours", 0.0, 1),
         bench.median_row([{"output_throughput": 100.0, "mean_tpot_ms": 1.5}], "bound_accept_all", "nospec", 0.0, 1)]}
     bench.print_table(timed)
-    assert "| bound_accept_all | 0 | 1 | 100 | — | 1,000 (16.00) | 10.00x | — | 20.00 | 0.25 | 4.00 | 1.50 | 0% | — |" \
+    assert "| bound_accept_all | 0 | 1 | 100 | — | 1,000 (16.00) | 10.00x | — | 20.00 | 0.25 | 4.00 | 1.50 | 0% | — | — |" \
         in capsys.readouterr().out
 
 
@@ -81,6 +81,13 @@ def test_identity_check_separates_near_tie_partings_from_real_ones():
     assert bench.check_identical([nospec, tie], prompts, 3)["identical_up_to_near_ties"] is True
     same = bench.check_identical([nospec, _FakeServer("x", nospec.replies)], prompts, 3)
     assert same["identical"] is True and same["identical_up_to_near_ties"] is True
+
+
+def test_later_passes_run_the_lowest_concurrency_first():
+    cells = [("real", "nospec", None, 0.0, 1), ("real", "nospec", None, 0.0, 64), ("real", "ours", None, 0.0, 16),
+             ("real", "ours", None, 0.0, 1), ("bound_accept_all", "ours", None, 0.0, 4)]
+    assert bench.pass_order(cells, 0) == cells
+    assert bench.pass_order(cells, 1) == [cells[0], cells[3], cells[4], cells[2], cells[1]]
 
 
 def test_timeline_delta_is_the_calls_between_two_snapshots():
