@@ -84,14 +84,15 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, name, model, draft, impl, out: Path, extra=(), flags=SERVER_FLAGS):
+    def __init__(self, name, model, draft, impl, out: Path, extra=(), flags=SERVER_FLAGS, env=None):
+        """``env``: variables set for this server's process only (on top of this process's environment)."""
         self.name, self.model, self.draft, self.impl = name, model, draft, impl
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = out / f"server_{name}.log"
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--port", str(self.port),
                *flags, *extra]
-        env = dict(os.environ)
+        env = {**os.environ, **(env or {})}
         if draft is not None:
             cmd += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft)]
             env["SGLANG_DFLASH_IMPL"] = impl
@@ -305,20 +306,18 @@ def main():
         tgt, drf = models[w]
         env_impl = {"builtin": "builtin"}.get(impl, "sglang_dflash")
         extra = ["--cuda-graph-max-bs", str(max(concs))] if torch.cuda.is_available() else []
+        env = {}
         if impl == "ours_profiled":
             # phases are timed with device syncs, which would serialize the overlap schedule anyway: the profiled
             # server runs the synchronous scheduler (so it also shows what the overlap schedule buys)
-            os.environ["SGLANG_DFLASH_PROFILE"] = str(out / f"phases_{w}.json")
+            env["SGLANG_DFLASH_PROFILE"] = str(out / f"phases_{w}.json")
             extra = [*extra, "--disable-overlap-schedule"]
         if impl == "ours" and args.timeline:
-            os.environ["SGLANG_DFLASH_TIMELINE"] = str(out / f"timeline_{w}.json")
+            env["SGLANG_DFLASH_TIMELINE"] = str(out / f"timeline_{w}.json")
         if impl == "ours_hostbound":
-            os.environ["SGLANG_DFLASH_HOST_BOUND_PLAN"] = "1"
+            env["SGLANG_DFLASH_HOST_BOUND_PLAN"] = "1"
         servers[(w, impl)] = Server(f"{w}_{impl}", tgt, None if impl == "nospec" else drf, env_impl, out, extra,
-                                    args.server_flags.split())
-        os.environ.pop("SGLANG_DFLASH_PROFILE", None)
-        os.environ.pop("SGLANG_DFLASH_TIMELINE", None)
-        os.environ.pop("SGLANG_DFLASH_HOST_BOUND_PLAN", None)
+                                    args.server_flags.split(), env)
     # a benchmark stopped from outside (SIGTERM, e.g. a time limit) still stops its servers and reports what it has
     signal.signal(signal.SIGTERM, _stop)
     deadline = time.time() + args.startup_timeout

@@ -83,6 +83,21 @@ def test_identity_check_separates_near_tie_partings_from_real_ones():
     assert same["identical"] is True and same["identical_up_to_near_ties"] is True
 
 
+def test_server_env_reaches_its_own_process_only(monkeypatch, tmp_path):
+    """Per-server variables (profiling, timeline, host-bound planning) go to that server's process, not to this
+    process's environment, so the servers started after it do not inherit them."""
+    import os
+
+    spawned = []
+    monkeypatch.setattr(bench.subprocess, "Popen", lambda cmd, **kw: spawned.append(kw["env"]))
+    monkeypatch.setattr(bench, "free_port", lambda: 1)
+    monkeypatch.delenv("SGLANG_DFLASH_TIMELINE", raising=False)
+    bench.Server("a", "T", "D", "sglang_dflash", tmp_path, env={"SGLANG_DFLASH_TIMELINE": "t.json"})
+    bench.Server("b", "T", None, "sglang_dflash", tmp_path)
+    assert spawned[0]["SGLANG_DFLASH_TIMELINE"] == "t.json" and spawned[0]["SGLANG_DFLASH_IMPL"] == "sglang_dflash"
+    assert "SGLANG_DFLASH_TIMELINE" not in spawned[1] and "SGLANG_DFLASH_TIMELINE" not in os.environ
+
+
 def test_later_passes_run_the_lowest_concurrency_first():
     cells = [("real", "nospec", None, 0.0, 1), ("real", "nospec", None, 0.0, 64), ("real", "ours", None, 0.0, 16),
              ("real", "ours", None, 0.0, 1), ("bound_accept_all", "ours", None, 0.0, 4)]
