@@ -15,8 +15,10 @@ not, that each reply parts from no-spec only at a bf16 near-tie of it (``sglang_
 Every cell (server x temperature x concurrency) runs `--repeats` times, the passes interleaved over all cells
 so that a slow spell of the machine hits every server alike; the table reports the median pass and the spread
 of ours ((max - min) / median). `--profile`, `--timeline` and `--host-bound-plan` add diagnostics and variants of
-ours (see their help). Writes `<out>/results.json` (every pass and the medians), `<out>/throughput.png`,
-server logs, and prints a table last.
+ours (see their help); `--kernel-profile` traces where a decode step's GPU time goes on every
+server. Every server captures SGLang's prefill CUDA graph for the prompt lengths `--prefill-graph-tokens`.
+Writes `<out>/results.json` (every pass and the medians), `<out>/throughput.png`, server logs, and prints a
+table last.
 
     python benchmarks/bench_dflash.py --target T --draft D --out results/
 """
@@ -47,8 +49,25 @@ from sglang_dflash import compare
 REPO = Path(__file__).resolve().parent.parent
 # Servers share one GPU and start together: every one sees the whole card free at start, so the KV pool is
 # capped by token count (--max-total-tokens) instead of by memory fraction.
-SERVER_FLAGS = ["--attention-backend", "flashinfer", "--disable-prefill-cuda-graph", "--sleep-on-idle",
+SERVER_FLAGS = ["--attention-backend", "flashinfer", "--sleep-on-idle",
                 "--skip-server-warmup", "--mem-fraction-static", "0.9", "--max-total-tokens", "65536"]
+# Prompt lengths (tokens) SGLang's prefill CUDA graph is captured for, on every server. SGLang captures it by
+# default for ~50 lengths up to 4096 (over two minutes per start); the benchmark's prompts are shorter than 512
+# tokens, and a prompt is padded to the next captured length.
+PREFILL_GRAPH_TOKENS = "32,64,128,256,512"
+
+
+def server_flags(base: str, prefill_graph_tokens: str) -> list[str]:
+    """Every server's flags: ``base`` (space-separated) plus the prefill CUDA graph choice, captured for the
+    comma-separated lengths ``prefill_graph_tokens`` or, for ``none``, off (the prefill runs eagerly)."""
+    flags = base.split()
+    if prefill_graph_tokens == "none":
+        return [*flags, "--disable-prefill-cuda-graph"]
+    sizes = sorted(int(t) for t in prefill_graph_tokens.split(","))
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"--prefill-graph-tokens {prefill_graph_tokens!r}: give positive token counts "
+                         "(e.g. 32,64,128) or 'none'")
+    return [*flags, "--cuda-graph-bs-prefill", *map(str, sizes)]
 
 
 # ---- synthetic bound models -------------------------------------------------------------
@@ -223,6 +242,82 @@ def check_identical(servers: list[Server], prompts_ids: list[list[int]], max_new
             "identical_up_to_near_ties": all(len(near_ties[n]) == len(v) for n, v in mismatches.items())}
 
 
+# ---- kernel profile -----------------------------------------------------------------------
+# Kernel-name patterns of the categories a decode step's GPU time is reported in (first match wins).
+KERNEL_CATEGORIES = (
+    ("sglang-dflash triton", ("_build_block_kernel", "_accept_kernel")),
+    ("attention", ("flashinfer", "BatchPrefill", "BatchDecode", "Attention", "attention")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "Gemm", "splitK")),
+    ("norm", ("rmsnorm", "RMSNorm", "norm_kernel", "Norm")),
+    ("rope", ("rope", "rotary", "Rotary")),
+    ("kv store", ("store_kv", "set_kv", "kv_buffer", "copy_to_kv")),
+    ("memcpy / memset", ("Memcpy", "Memset", "memcpy", "memset")),
+    ("reduce / argmax", ("reduce", "argmax", "ArgMax", "max_kernel", "softmax")),
+    ("elementwise", ("elementwise", "vectorized", "act_and_mul", "silu", "index", "cat", "fill")),
+)
+
+
+def kernel_category(name: str) -> str:
+    for category, patterns in KERNEL_CATEGORIES:
+        if any(p in name for p in patterns):
+            return category
+    return "other"
+
+
+def summarize_trace(events: list[dict], steps: int, top: int = 12) -> dict:
+    """Chrome-trace events of ``steps`` decode steps -> GPU time per step: busy (sum of kernel / memcpy / memset
+    durations), span (first start to last end), launches, per-category and top-kernel microseconds (all / steps)."""
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not gpu or steps < 1:
+        return {"error": "no GPU events in the trace"}
+    start = min(e["ts"] for e in gpu)
+    end = max(e["ts"] + e["dur"] for e in gpu)
+    by_cat, by_name = {}, {}
+    for e in gpu:
+        cat = kernel_category(e["name"])
+        by_cat[cat] = by_cat.get(cat, 0.0) + e["dur"]
+        n = by_name.setdefault(e["name"][:90], [0, 0.0])
+        n[0] += 1
+        n[1] += e["dur"]
+    busy = sum(e["dur"] for e in gpu)
+    names = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {
+        "steps": steps,
+        "busy_us_per_step": busy / steps,
+        "span_us_per_step": (end - start) / steps,
+        "launches_per_step": len(gpu) / steps,
+        "categories_us_per_step": {c: v / steps for c, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [{"name": k, "per_step": c / steps, "us_per_step": d / steps} for k, (c, d) in names],
+    }
+
+
+def kernel_profile(server: "Server", prompt_ids: list[int], steps: int, tokens_per_step: int, out: Path,
+                   timeout: float = 120) -> dict:
+    """Profile ``steps`` decode steps of one request (greedy, ``(steps + 4) * tokens_per_step`` new tokens, EOS
+    ignored) on an otherwise idle ``server`` with SGLang's torch profiler (``/start_profile``, GPU activity only,
+    by stage) and summarize its decode trace (`summarize_trace`)."""
+    import gzip
+
+    trace_dir = out / f"profile_{server.name}"
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    r = requests.post(server.url + "/start_profile", json={
+        "output_dir": str(trace_dir), "num_steps": steps, "activities": ["GPU"], "profile_by_stage": True,
+        "with_stack": False, "record_shapes": False}, timeout=30)
+    r.raise_for_status()
+    requests.post(server.url + "/generate", json={"input_ids": prompt_ids, "sampling_params": {
+        "temperature": 0, "max_new_tokens": (steps + 4) * tokens_per_step, "ignore_eos": True}},
+        timeout=600).raise_for_status()
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        found = sorted(trace_dir.glob("*DECODE.trace.json.gz")) if trace_dir.exists() else []
+        if found:
+            time.sleep(1.0)  # let the writer finish
+            events = json.loads(gzip.decompress(found[0].read_bytes()))["traceEvents"]
+            return summarize_trace(events, steps)
+        time.sleep(1.0)
+    return {"error": f"no decode trace in {trace_dir} after {timeout:g} s"}
+
+
 # ---- main ---------------------------------------------------------------------------------
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -248,12 +343,18 @@ def main():
     ap.add_argument("--host-bound-plan", action="store_true",
                     help="extra sglang-dflash server per workload with SGLANG_DFLASH_HOST_BOUND_PLAN=1 (attention "
                          "planned from an upper bound of the committed lengths; in the identity check too)")
+    ap.add_argument("--kernel-profile", type=int, default=0, metavar="STEPS",
+                    help="before the load, profile STEPS decode steps of one request on every server (SGLang's torch "
+                         "profiler, GPU only) and report where a step's GPU time goes")
     ap.add_argument("--repeats", type=int, default=3, help="passes per cell (median reported; from the second "
                     "pass on, cells run by concurrency, lowest first, so a time budget repeats those first)")
     ap.add_argument("--startup-timeout", type=float, default=480)
     ap.add_argument("--time-budget", type=float, default=None,
                     help="seconds of load after which no further cell starts (the rest are reported as not run)")
     ap.add_argument("--server-flags", default=" ".join(SERVER_FLAGS), help="flags every server gets")
+    ap.add_argument("--prefill-graph-tokens", default=PREFILL_GRAPH_TOKENS,
+                    help="prompt lengths SGLang's prefill CUDA graph is captured for on every server (comma-separated), "
+                         "or 'none' for eager prefill (runs 1-9)")
     args = ap.parse_args()
 
     out = Path(args.out).resolve()
@@ -317,12 +418,13 @@ def main():
         if impl == "ours_hostbound":
             env["SGLANG_DFLASH_HOST_BOUND_PLAN"] = "1"
         servers[(w, impl)] = Server(f"{w}_{impl}", tgt, None if impl == "nospec" else drf, env_impl, out, extra,
-                                    args.server_flags.split(), env)
+                                    server_flags(args.server_flags, args.prefill_graph_tokens), env)
     # a benchmark stopped from outside (SIGTERM, e.g. a time limit) still stops its servers and reports what it has
     signal.signal(signal.SIGTERM, _stop)
     deadline = time.time() + args.startup_timeout
     results = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available()
-               else "cpu", "args": vars(args), "servers": {}, "runs": [], "identity": {}}
+               else "cpu", "args": vars(args), "servers": {}, "runs": [], "identity": {},
+               "kernel_profile": {}}
     try:
         for key, s in servers.items():
             ok = s.wait(deadline)
@@ -335,6 +437,14 @@ def main():
             if len(group) > 1:
                 results["identity"][w] = check_identical(group, check_ids, 64)
                 print(f"[bench] identity {w}: {results['identity'][w]}", flush=True)
+        if args.kernel_profile:
+            for (w, impl), s in up.items():
+                if impl == "ours_profiled":
+                    continue
+                per_step = 1 if impl == "nospec" else 16  # the most tokens a step commits: enough steps always
+                results["kernel_profile"][s.name] = kernel_profile(s, check_ids[0], args.kernel_profile, per_step, out)
+                print(f"[bench] kernel profile {s.name}: {json.dumps(results['kernel_profile'][s.name])[:400]}",
+                      flush=True)
         cells = [(w, impl, s, temp, conc) for (w, impl), s in up.items() for temp in temps for conc in concs
                  if (w == "real" or temp == 0) and (impl != "ours_profiled" or conc in (1, 16))]
         passes = {cell[:2] + cell[3:]: [] for cell in cells}
@@ -430,6 +540,14 @@ def print_table(results) -> None:
     for w, tl in results.get("timeline", {}).items():
         print(f"\nsglang-dflash timeline, {w} (all cells of the server; mean ms, count):",
               json.dumps({k: (round(v["mean_ms"], 3), v["count"]) for k, v in tl["timeline"].items()}))
+    for name, prof in results.get("kernel_profile", {}).items():
+        if "error" in prof:
+            print(f"\nkernel profile {name}: {prof['error']}")
+            continue
+        cats = ", ".join(f"{c} {v:.0f}" for c, v in prof["categories_us_per_step"].items())
+        print(f"\nkernel profile {name} ({prof['steps']} decode steps): GPU busy {prof['busy_us_per_step']:.0f} us "
+              f"of a {prof['span_us_per_step']:.0f} us span per step, {prof['launches_per_step']:.0f} launches; "
+              f"us per step: {cats}")
     print("identity at T=0 (exact / up to bf16 near-ties):",
           {w: (v["identical"], v["identical_up_to_near_ties"]) for w, v in results["identity"].items()})
 

@@ -156,3 +156,34 @@ def test_a_stopped_benchmark_is_not_recorded_as_a_failed_cell(monkeypatch, tmp_p
     with pytest.raises(SystemExit):
         bench.bench_serving(*args)
     assert len(calls) == 2
+
+
+def test_server_flags_capture_the_prefill_graph_for_the_given_lengths_or_none():
+    flags = bench.server_flags("--attention-backend flashinfer --sleep-on-idle", "256,32,64")
+    assert flags == ["--attention-backend", "flashinfer", "--sleep-on-idle", "--cuda-graph-bs-prefill", "32", "64",
+                     "256"]
+    assert bench.server_flags("--sleep-on-idle", "none") == ["--sleep-on-idle", "--disable-prefill-cuda-graph"]
+    assert "--disable-prefill-cuda-graph" not in bench.SERVER_FLAGS
+    with pytest.raises(ValueError, match="positive token counts"):
+        bench.server_flags("", "0,64")
+
+
+def test_kernel_trace_summary_per_decode_step():
+    def k(name, ts, dur, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    events = [k("_build_block_kernel", 0, 2), k("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", 3, 10),
+              k("BatchPrefillWithPagedKVCacheKernel", 14, 6), k("Memcpy DtoD (Device -> Device)", 21, 1, "gpu_memcpy"),
+              k("_accept_kernel", 23, 1), k("my_mystery_kernel", 30, 10),
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0, "dur": 500},
+              k("_build_block_kernel", 100, 2), k("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", 103, 10),
+              k("BatchPrefillWithPagedKVCacheKernel", 114, 6), k("_accept_kernel", 121, 1),
+              k("my_mystery_kernel", 130, 10)]
+    s = bench.summarize_trace(events, steps=2)
+    assert s["busy_us_per_step"] == 29.5  # (2+10+6+1+1+10 + 2+10+6+1+10) / 2; runtime calls are not GPU time
+    assert s["span_us_per_step"] == 70.0  # 0 .. 140
+    assert s["launches_per_step"] == 5.5
+    assert s["categories_us_per_step"] == {"gemm": 10.0, "other": 10.0, "attention": 6.0,
+                                           "sglang-dflash triton": 3.0, "memcpy / memset": 0.5}
+    assert s["top_kernels"][0] == {"name": "nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "per_step": 1.0, "us_per_step": 10.0}
+    assert bench.summarize_trace([], steps=2) == {"error": "no GPU events in the trace"}
