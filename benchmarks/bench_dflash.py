@@ -16,7 +16,7 @@ Every cell (server x temperature x concurrency) runs `--repeats` times, the pass
 so that a slow spell of the machine hits every server alike; the table reports the median pass and the spread
 of ours ((max - min) / median). `--profile`, `--timeline` and `--host-bound-plan` add diagnostics and variants of
 ours (see their help); `--kernel-profile` traces where a decode step's GPU time goes on every
-server. Every server captures SGLang's prefill CUDA graph for the prompt lengths `--prefill-graph-tokens`.
+server. `--prefill-graph-tokens` captures SGLang's prefill CUDA graph on every server (default: eager prefill).
 Writes `<out>/results.json` (every pass and the medians), `<out>/throughput.png`, server logs, and prints a
 table last.
 
@@ -51,10 +51,12 @@ REPO = Path(__file__).resolve().parent.parent
 # capped by token count (--max-total-tokens) instead of by memory fraction.
 SERVER_FLAGS = ["--attention-backend", "flashinfer", "--sleep-on-idle",
                 "--skip-server-warmup", "--mem-fraction-static", "0.9", "--max-total-tokens", "65536"]
-# Prompt lengths (tokens) SGLang's prefill CUDA graph is captured for, on every server. SGLang captures it by
-# default for ~50 lengths up to 4096 (over two minutes per start); the benchmark's prompts are shorter than 512
-# tokens, and a prompt is padded to the next captured length.
-PREFILL_GRAPH_TOKENS = "32,64,128,256,512"
+# Prompt lengths (tokens) SGLang's prefill CUDA graph is captured for, on every server, or "none" (eager prefill).
+# SGLang captures it by default for ~50 lengths up to 4096. The benchmark's default is eager: SGLang's breakable
+# prefill graph does not replay an extend with a radix-cache prefix hit, and the identity check (and every pass after
+# the first) sends the low-concurrency prompts again, so those prefills run eagerly either way; capturing
+# 32,64,128,256,512 took 185 s per server with eleven servers starting at once (H200, serving run 10).
+PREFILL_GRAPH_TOKENS = "none"
 
 
 def server_flags(base: str, prefill_graph_tokens: str) -> list[str]:
@@ -210,6 +212,13 @@ def pass_order(cells: list, rep: int) -> list:
     return list(cells) if rep == 0 else sorted(cells, key=lambda cell: cell[4])
 
 
+TIMELINE_IMPLS = ("ours", "ours_hostbound")  # the servers `--timeline` records
+
+
+def timeline_file(out: Path, workload: str, impl: str) -> Path:
+    return out / f"timeline_{workload}_{impl}.json"
+
+
 def timeline_delta(before: dict, after: dict) -> dict:
     """Two snapshots of a server's StepTimeline summary ({key: {count, mean_ms}}) -> the calls in between, same form
     (the server rewrites its file every 20 calls, so a cell's last few calls may count towards the next cell)."""
@@ -353,8 +362,8 @@ def main():
                     help="seconds of load after which no further cell starts (the rest are reported as not run)")
     ap.add_argument("--server-flags", default=" ".join(SERVER_FLAGS), help="flags every server gets")
     ap.add_argument("--prefill-graph-tokens", default=PREFILL_GRAPH_TOKENS,
-                    help="prompt lengths SGLang's prefill CUDA graph is captured for on every server (comma-separated), "
-                         "or 'none' for eager prefill (runs 1-9)")
+                    help="prompt lengths SGLang's prefill CUDA graph is captured for on every server (comma-separated, "
+                         "e.g. 32,64,128,256,512), or 'none' (default) for eager prefill")
     args = ap.parse_args()
 
     out = Path(args.out).resolve()
@@ -413,8 +422,8 @@ def main():
             # server runs the synchronous scheduler (so it also shows what the overlap schedule buys)
             env["SGLANG_DFLASH_PROFILE"] = str(out / f"phases_{w}.json")
             extra = [*extra, "--disable-overlap-schedule"]
-        if impl == "ours" and args.timeline:
-            env["SGLANG_DFLASH_TIMELINE"] = str(out / f"timeline_{w}.json")
+        if impl in TIMELINE_IMPLS and args.timeline:
+            env["SGLANG_DFLASH_TIMELINE"] = str(timeline_file(out, w, impl))
         if impl == "ours_hostbound":
             env["SGLANG_DFLASH_HOST_BOUND_PLAN"] = "1"
         servers[(w, impl)] = Server(f"{w}_{impl}", tgt, None if impl == "nospec" else drf, env_impl, out, extra,
@@ -449,7 +458,7 @@ def main():
                  if (w == "real" or temp == 0) and (impl != "ours_profiled" or conc in (1, 16))]
         passes = {cell[:2] + cell[3:]: [] for cell in cells}
         load_start = time.time()
-        timeline_seen = {}  # workload -> the last timeline snapshot of its sglang-dflash server
+        timeline_seen = {}  # (workload, impl) -> the last timeline snapshot of that sglang-dflash server
         for rep in range(args.repeats):
             for w, impl, s, temp, conc in pass_order(cells, rep):
                 if args.time_budget is not None and time.time() - load_start > args.time_budget:
@@ -459,11 +468,11 @@ def main():
                 r = bench_serving(s, target, dataset, conc, max(8, args.prompts_per_level * conc),
                                   args.accept_all_output_len or args.output_len if w == "bound_accept_all"
                                   else args.output_len, temp, out)
-                tl_path = out / f"timeline_{w}.json"
-                if impl == "ours" and tl_path.exists():  # this cell's share of the server's cumulative timeline
+                tl_path = timeline_file(out, w, impl)
+                if impl in TIMELINE_IMPLS and tl_path.exists():  # this cell's share of the server's cumulative timeline
                     snap = json.loads(tl_path.read_text())["timeline"]
-                    r["timeline"] = timeline_delta(timeline_seen.get(w, {}), snap)
-                    timeline_seen[w] = snap
+                    r["timeline"] = timeline_delta(timeline_seen.get((w, impl), {}), snap)
+                    timeline_seen[(w, impl)] = snap
                 passes[(w, impl, temp, conc)].append(r)
                 print(f"[bench] pass {rep + 1}/{args.repeats} {w:18s} {impl:14s} c={conc:3d} T={temp} -> "
                       f"{r.get('output_throughput') or r.get('error', '')[:300]}", flush=True)
@@ -475,8 +484,8 @@ def main():
             s.stop()
         results["phases"] = {w: json.loads((out / f"phases_{w}.json").read_text())
                              for w in workloads if (out / f"phases_{w}.json").exists()}
-        results["timeline"] = {w: json.loads((out / f"timeline_{w}.json").read_text())
-                               for w in workloads if (out / f"timeline_{w}.json").exists()}
+        results["timeline"] = {f"{w} {impl}": json.loads(timeline_file(out, w, impl).read_text())
+                               for w in workloads for impl in TIMELINE_IMPLS if timeline_file(out, w, impl).exists()}
         (out / "results.json").write_text(json.dumps(results, indent=1))
         plot(results, out / "throughput.png")
         print_table(results)

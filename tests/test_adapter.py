@@ -384,7 +384,7 @@ def test_step_graph_plan_uses_host_lengths_with_padded_rows(monkeypatch):
             num_qo_heads=heads, num_kv_heads=3, head_dim=64, q_data_type=torch.bfloat16, data_type=torch.bfloat16))
 
     graphs = object.__new__(step_graphs.StepGraphs)
-    graphs.B = B
+    graphs.B, graphs.plan_bucket = B, None
     graphs.qo_indptr_host = torch.arange(0, 9 * B, B, dtype=torch.int32)
     graphs.draft_backend, graphs.target_backend = backend(9), backend(12)
     captured = step_graphs._Captured(m, None, None, None, [wrapper()], [wrapper()], None)
@@ -401,6 +401,63 @@ def test_step_graph_plan_uses_host_lengths_with_padded_rows(monkeypatch):
         assert kw["qo_indptr_host"].tolist() == [0, 4, 8, 12, 16, 20, 24]
         assert kw["max_q_len"] == B and kw["max_kv_len"] == 21
         assert kw["kv_lens_host"].dtype == kw["kv_indptr_host"].dtype == torch.int32
+
+
+def test_host_bound_plan_rounds_up_to_the_bucket_and_keeps_a_plan_that_covers_the_step(monkeypatch):
+    """With host-bound planning (a plan bucket), real rows are planned rounded up to the bucket and a size's plan
+    is reused while every row's kv length (bound + block) stays within its planned length; a row past it, or a
+    padded row becoming a longer real one, plans again. Without a bucket every replay plans exactly."""
+    from sglang_dflash.adapter import step_graphs
+
+    calls = []
+    monkeypatch.setattr(step_graphs, "fast_prefill_plan", lambda w, *args, **kw: calls.append(kw["kv_lens_host"]))
+    B, m = 16, 4
+    wrapper = SimpleNamespace(_qo_indptr_buf=None, _paged_kv_indptr_buf=None, _paged_kv_indices_buf=torch.zeros(1),
+                              _paged_kv_last_page_len_buf=None)
+    backend = SimpleNamespace(indices_updater_prefill=SimpleNamespace(
+        num_qo_heads=9, num_kv_heads=3, head_dim=64, q_data_type=torch.bfloat16, data_type=torch.bfloat16))
+    graphs = object.__new__(step_graphs.StepGraphs)
+    graphs.B, graphs.plan_bucket = B, 256
+    graphs.qo_indptr_host = torch.arange(0, (m + 1) * B, B, dtype=torch.int32)
+    graphs.draft_backend = graphs.target_backend = backend
+    c = step_graphs._Captured(m, None, None, None, [wrapper], [wrapper], None)
+    fill = step_graphs.SEQ_LEN_FILL + B
+
+    graphs.plan(c, torch.tensor([100, 300, 0, 0]), 2, m)  # kv 116, 316 -> 256, 512; padded rows as they are
+    assert [k.tolist() for k in calls] == [[256, 512, fill, fill]] * 2  # draft and target wrapper
+    for prefix, n in (([240, 300], 2), ([100, 496], 2), ([0, 0], 2), ([240], 1)):  # within the plan: kept
+        graphs.plan(c, torch.tensor(prefix + [0] * (m - len(prefix))), n, m)
+    assert len(calls) == 2
+    graphs.plan(c, torch.tensor([241, 300, 0, 0]), 2, m)  # row 0: 257 > 256
+    assert [k.tolist() for k in calls[2:]] == [[512, 512, fill, fill]] * 2
+    graphs.plan(c, torch.tensor([10, 10, 10, 0]), 3, m)  # a padded row (planned fill) is now a real row
+    assert [k.tolist() for k in calls[4:]] == [[256, 256, 256, fill]] * 2
+    graphs.plan_bucket = None  # exact planning: every call plans, unrounded
+    graphs.plan(c, torch.tensor([10, 10, 10, 0]), 3, m)
+    graphs.plan(c, torch.tensor([10, 10, 10, 0]), 3, m)
+    assert [k.tolist() for k in calls[6:]] == [[26, 26, 26, fill]] * 4
+
+
+def test_step_graph_accept_writes_one_packed_buffer():
+    """The step graph's greedy accept writes accept_tokens' four outputs into views of one int64 buffer
+    (`step_graphs.unpack`), equal to the unpacked accept."""
+    from sglang_dflash.adapter.step_graphs import unpack
+    from sglang_dflash.adapter.worker import DFlashWorker
+
+    g = torch.Generator().manual_seed(3)
+    bs, B, V = 3, 5, 11
+    draft = torch.randint(0, V, (bs, B), generator=g)
+    logits = torch.randn(bs * B, V, generator=g)
+    logits.view(bs, B, V)[0, :3].scatter_(-1, draft[0, 1:4, None], 50.0)  # row 0 accepts 3 drafts
+    seq_lens = torch.tensor([7, 1, 30])
+    packed = torch.full((bs * (B + 3),), -9, dtype=torch.int64)
+    worker = object.__new__(DFlashWorker)
+    got = worker.greedy_accept(draft, logits, seq_lens, out=unpack(packed, bs, B))
+    want = worker.greedy_accept(draft, logits, seq_lens)
+    assert int(want[0][0]) == 3
+    for a, b, v in zip(got, want, unpack(packed, bs, B)):
+        assert torch.equal(a, b) and torch.equal(v, b)
+    assert (packed != -9).all()
 
 
 def test_padded_rows_picks_the_smallest_captured_size():

@@ -42,6 +42,10 @@ from sglang_dflash.adapter.spec_inputs import DFlashBlockInput, write_block_kv_l
 from sglang_dflash.kernels.block_builder import build_block
 
 SEQ_LEN_FILL = 1  # committed length of padded rows (FlashInfer needs kv_len >= 1 per row)
+# With host-bound planning, each request's planned kv length is rounded up to a multiple of this many tokens and a
+# size's plan is kept while every row's kv length stays within it (FlashInfer clamps planned kv chunks to the real
+# length, so a plan for longer rows serves shorter ones): at 16 tokens per step, one plan per ~16 steps.
+PLAN_BUCKET = 256
 
 
 @dataclass
@@ -57,14 +61,16 @@ class StepOutputs:
 
 
 class _Captured:
-    """One batch size: its graph, its wrappers (planned before each replay), its outputs, and the two
-    ForwardBatches of the capture, which hold the static block tensors the graph reads and writes."""
+    """One batch size: its graph, its wrappers (planned before a replay), its outputs, the two ForwardBatches of
+    the capture, which hold the static block tensors the graph reads and writes, and ``packed``, the one int64
+    buffer the greedy accept writes (`unpack`; a replay copies it out in one launch). ``planned_kv_lens``: the kv lengths of the wrappers' current plan."""
 
-    def __init__(self, bs, graph, draft_fb, target_fb, draft_wrappers, target_wrappers, outputs):
+    def __init__(self, bs, graph, draft_fb, target_fb, draft_wrappers, target_wrappers, outputs, packed=None):
         self.bs, self.graph = bs, graph
         self.draft_fb, self.target_fb = draft_fb, target_fb
         self.draft_wrappers, self.target_wrappers = draft_wrappers, target_wrappers
-        self.outputs = outputs
+        self.outputs, self.packed = outputs, packed
+        self.planned_kv_lens: torch.Tensor | None = None
 
 
 class StepGraphs:
@@ -73,6 +79,7 @@ class StepGraphs:
     def __init__(self, worker, batch_sizes: Sequence[int]):
         self.w = worker
         self.B = worker.block_size
+        self.plan_bucket = PLAN_BUCKET if worker.host_bound_plan else None
         self.sizes = sorted({int(b) for b in batch_sizes})
         max_bs, dev = self.sizes[-1], worker.device
         self.bonus = torch.zeros(max_bs, dtype=torch.int64, device=dev)
@@ -125,6 +132,7 @@ class StepGraphs:
         target_wrappers = self._prepare_wrappers(self.target_backend, target_fb, bs)
 
         req_to_token = w.target_runner.req_to_token_pool.req_to_token
+        packed = torch.zeros(bs * (B + 3), dtype=torch.int64, device=dev)
 
         def body():
             ids, pos, slots = build_block(self.bonus[:bs], self.seq_lens[:bs], B, w.mask_token_id, req_to_token,
@@ -147,7 +155,7 @@ class StepGraphs:
                 out = w.target_runner.model(verify_ids, pos, target_fb)
             w.commit_kv(out.hidden_states, pos, slots)
             logits = out.next_token_logits
-            accept = w.greedy_accept(draft_tokens, logits, self.seq_lens[:bs])
+            accept = w.greedy_accept(draft_tokens, logits, self.seq_lens[:bs], out=unpack(packed, bs, B))
             return StepOutputs(draft_tokens, logits, *accept)
 
         torch.cuda.synchronize(dev)
@@ -161,7 +169,7 @@ class StepGraphs:
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 outputs = body()
         torch.cuda.synchronize(dev)
-        return _Captured(bs, graph, draft_fb, target_fb, draft_wrappers, target_wrappers, outputs)
+        return _Captured(bs, graph, draft_fb, target_fb, draft_wrappers, target_wrappers, outputs, packed)
 
     def _prepare_wrappers(self, backend, fb: ForwardBatch, bs: int) -> list:
         """Create and plan this size's own capture-mode wrappers (they also become ``backend.forward_metadata``,
@@ -198,16 +206,23 @@ class StepGraphs:
         self.plan(c, prefix_lens_cpu, n, m)
         c.graph.replay()
         o = c.outputs
-        rows = n * self.B
-        return StepOutputs(o.draft_tokens[:n], o.logits[:rows], o.accept_lens[:n], o.bonus_tokens[:n],
-                           o.committed[:n], o.new_seq_lens[:n])
+        accept_lens, bonus_tokens, committed, new_seq_lens = unpack(c.packed.clone(), m, self.B)  # one copy
+        return StepOutputs(o.draft_tokens[:n], o.logits[: n * self.B], accept_lens[:n], bonus_tokens[:n],
+                           committed[:n], new_seq_lens[:n])
 
     def plan(self, c: _Captured, prefix_lens_cpu: torch.Tensor, n: int, m: int) -> None:
         """Plan both forwards' attention from host-known lengths (committed prefix + block per request, padded
-        rows SEQ_LEN_FILL + block); the device-side layout is written by the graph itself."""
+        rows SEQ_LEN_FILL + block); the device-side layout is written by the graph itself. With a plan bucket
+        (host-bound planning) real rows are planned rounded up to the bucket, and the plan is kept while every
+        row's kv length stays within its planned one."""
         kv_lens = torch.full((m,), SEQ_LEN_FILL + self.B, dtype=torch.int32)
         kv_lens[:n] = prefix_lens_cpu[:n]
         kv_lens[:n] += self.B
+        if self.plan_bucket is not None:
+            if c.planned_kv_lens is not None and bool((kv_lens <= c.planned_kv_lens).all()):
+                return
+            kv_lens[:n] = (kv_lens[:n] + self.plan_bucket - 1) // self.plan_bucket * self.plan_bucket
+        c.planned_kv_lens = kv_lens
         kv_indptr = torch.zeros((m + 1,), dtype=torch.int32)
         torch.cumsum(kv_lens, dim=0, out=kv_indptr[1:])
         layout = dict(qo_indptr_host=self.qo_indptr_host[: m + 1], kv_indptr_host=kv_indptr, kv_lens_host=kv_lens,
@@ -219,3 +234,11 @@ class StepGraphs:
                 fast_prefill_plan(w, w._qo_indptr_buf, w._paged_kv_indptr_buf, w._paged_kv_indices_buf[:0],
                                   w._paged_kv_last_page_len_buf, u.num_qo_heads, u.num_kv_heads, u.head_dim, 1,
                                   q_data_type=u.q_data_type, kv_data_type=u.data_type, non_blocking=True, **layout)
+
+
+def unpack(packed: torch.Tensor, bs: int, block_size: int):
+    """Views of a packed accept buffer ``[bs * (block_size + 3)]`` int64 in `accept_tokens`' output order:
+    accept_lens, bonus_tokens ``[bs]``, committed ``[bs, block_size]``, new_seq_lens ``[bs]`` (each contiguous)."""
+    n = bs * block_size
+    return (packed[:bs], packed[bs : 2 * bs], packed[2 * bs : 2 * bs + n].view(bs, block_size),
+            packed[2 * bs + n : 3 * bs + n])

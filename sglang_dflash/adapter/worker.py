@@ -251,9 +251,8 @@ class DFlashWorker(BaseSpecWorker):
             out = self.step_graphs.replay(batch, state.bonus_tokens, self.planned_prefix_lens(batch, state))
         logits_output = LogitsProcessorOutput(next_token_logits=out.logits)
         with t("accept"):
-            if self.plain_greedy(batch):
-                accepted = tuple(x.clone() for x in (out.accept_lens, out.bonus_tokens, out.committed,
-                                                     out.new_seq_lens))
+            if self.plain_greedy(batch):  # the replay's own copies of the graph's accept outputs
+                accepted = (out.accept_lens, out.bonus_tokens, out.committed, out.new_seq_lens)
             else:
                 accepted = self.accept(batch, out.draft_tokens, logits_output)
         return out.draft_tokens, logits_output, accepted
@@ -349,11 +348,12 @@ class DFlashWorker(BaseSpecWorker):
                              any_greedy=False)  # SGLang encodes greedy rows as top_k=1, temperature 1
         return accept_tokens(draft_tokens, sample_predictions(draft_tokens, probs), seq_lens)
 
-    def greedy_accept(self, draft_tokens: torch.Tensor, logits: torch.Tensor, seq_lens: torch.Tensor):
+    def greedy_accept(self, draft_tokens: torch.Tensor, logits: torch.Tensor, seq_lens: torch.Tensor, out=None):
         """draft_tokens [bs, B], verify logits [bs * B, V] (or [bs, B, V]), seq_lens [bs] int64 -> accept_tokens'
-        (accept_lens, bonus_tokens, committed, new_seq_lens) with the target's argmax as its choice."""
+        (accept_lens, bonus_tokens, committed, new_seq_lens) with the target's argmax as its choice (written into
+        ``out``, four buffers in that order, when given)."""
         bs, B = draft_tokens.shape
-        return accept_tokens(draft_tokens, logits.view(bs, B, -1).argmax(dim=-1), seq_lens)
+        return accept_tokens(draft_tokens, logits.view(bs, B, -1).argmax(dim=-1), seq_lens, out=out)
 
     def plain_greedy(self, batch) -> bool:
         """True when accept is the target's argmax alone: all greedy, no grammar, logit bias, min_new_tokens,
