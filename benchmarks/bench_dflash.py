@@ -14,8 +14,7 @@ At temperature 0 the benchmark checks that all servers of a workload produce ide
 not, that each reply parts from no-spec only at a bf16 near-tie of it (``sglang_dflash.compare``).
 Every cell (server x temperature x concurrency) runs `--repeats` times, the passes interleaved over all cells
 so that a slow spell of the machine hits every server alike; the table reports the median pass and the spread
-of ours ((max - min) / median). `--profile`, `--timeline` and `--host-bound-plan` add diagnostics and variants of
-ours (see their help); `--kernel-profile` traces where a decode step's GPU time goes on every
+of ours ((max - min) / median). `--profile` and `--timeline` add diagnostics (see their help); `--kernel-profile` traces where a decode step's GPU time goes on every
 server. `--prefill-graph-tokens` captures SGLang's prefill CUDA graph on every server (default: eager prefill).
 Writes `<out>/results.json` (every pass and the medians), `<out>/throughput.png`, server logs, and prints a
 table last.
@@ -212,7 +211,7 @@ def pass_order(cells: list, rep: int) -> list:
     return list(cells) if rep == 0 else sorted(cells, key=lambda cell: cell[4])
 
 
-TIMELINE_IMPLS = ("ours", "ours_hostbound")  # the servers `--timeline` records
+TIMELINE_IMPLS = ("ours",)  # the servers `--timeline` records
 
 
 def timeline_file(out: Path, workload: str, impl: str) -> Path:
@@ -349,9 +348,6 @@ def main():
     ap.add_argument("--timeline", action="store_true",
                     help="the sglang-dflash servers record where a step's time goes (device busy / idle, host in and "
                          "out of the worker; CUDA events, no synchronization: SGLANG_DFLASH_TIMELINE)")
-    ap.add_argument("--host-bound-plan", action="store_true",
-                    help="extra sglang-dflash server per workload with SGLANG_DFLASH_HOST_BOUND_PLAN=1 (attention "
-                         "planned from an upper bound of the committed lengths; in the identity check too)")
     ap.add_argument("--kernel-profile", type=int, default=0, metavar="STEPS",
                     help="before the load, profile STEPS decode steps of one request on every server (SGLang's torch "
                          "profiler, GPU only) and report where a step's GPU time goes")
@@ -409,8 +405,6 @@ def main():
             plan.append((w, impl))
     if args.profile:  # the real workload and the every-token-accepted bound (16 tokens per step)
         plan += [(w, "ours_profiled") for w in ("real", "bound_accept_all") if w in workloads]
-    if args.host_bound_plan:
-        plan += [(w, "ours_hostbound") for w in workloads]
     servers = {}
     for w, impl in plan:
         tgt, drf = models[w]
@@ -424,8 +418,6 @@ def main():
             extra = [*extra, "--disable-overlap-schedule"]
         if impl in TIMELINE_IMPLS and args.timeline:
             env["SGLANG_DFLASH_TIMELINE"] = str(timeline_file(out, w, impl))
-        if impl == "ours_hostbound":
-            env["SGLANG_DFLASH_HOST_BOUND_PLAN"] = "1"
         servers[(w, impl)] = Server(f"{w}_{impl}", tgt, None if impl == "nospec" else drf, env_impl, out, extra,
                                     server_flags(args.server_flags, args.prefill_graph_tokens), env)
     # a benchmark stopped from outside (SIGTERM, e.g. a time limit) still stops its servers and reports what it has
@@ -525,16 +517,14 @@ def print_table(results) -> None:
     rows = sorted({(r["workload"], r["temperature"], r["concurrency"]) for r in results["runs"]})
     print(f"\nmedian of {results['args']['repeats']} passes per cell; spread = (max - min) / median of ours")
     print("| workload | T | conc | no-spec tok/s | built-in tok/s (τ) | ours tok/s (τ) | ours/no-spec | ours/built-in "
-          "| ours TTFT ms | ours TPOT ms | ours ms/step | no-spec TPOT ms | spread | ours sync+profiled tok/s "
-          "| ours host-bound plan tok/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| ours TTFT ms | ours TPOT ms | ours ms/step | no-spec TPOT ms | spread | ours sync+profiled tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for w, t, c in rows:
         ref_w = "real" if w == "bound_accept_none" else w
         ns, _, ns_tpot, _, _ = _tput(results, ref_w, "nospec", c, t)
         bi, bi_tau, _, _, _ = _tput(results, w, "builtin", c, t)
         ours, ours_tau, ours_tpot, spread, ours_ttft = _tput(results, w, "ours", c, t)
         prof = _tput(results, w, "ours_profiled", c, t)[0]
-        hostbound = _tput(results, w, "ours_hostbound", c, t)[0]
         f = lambda x: "—" if x is None else f"{x:,.0f}"
         ms = lambda x: "—" if x is None else f"{x:.2f}"
         tau = lambda x: "" if x is None else f" ({x:.2f})"
@@ -542,7 +532,7 @@ def print_table(results) -> None:
         step = None if ours_tpot is None or ours_tau is None else ours_tpot * ours_tau
         print(f"| {w} | {t:g} | {c} | {f(ns)} | {f(bi)}{tau(bi_tau)} | {f(ours)}{tau(ours_tau)} | "
               f"{ratio(ours, ns)} | {ratio(ours, bi)} | {ms(ours_ttft)} | {ms(ours_tpot)} | {ms(step)} | "
-              f"{ms(ns_tpot)} | {'—' if spread is None else f'{spread:.0%}'} | {f(prof)} | {f(hostbound)} |")
+              f"{ms(ns_tpot)} | {'—' if spread is None else f'{spread:.0%}'} | {f(prof)} |")
     for w, phases in results.get("phases", {}).items():
         print(f"\nsglang-dflash per-phase ms/step, {w} (synchronous scheduler, synchronized phases):",
               json.dumps(phases["ms_per_step"]))
@@ -572,7 +562,7 @@ def plot(results, path: Path) -> None:
         return
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (w, t) in zip(axes[0], panels):
-        for impl in ("nospec", "builtin", "ours", "ours_hostbound"):
+        for impl in ("nospec", "builtin", "ours"):
             src_w = "real" if (w == "bound_accept_none" and impl == "nospec") else w
             pts = sorted((r["concurrency"], r["output_throughput"]) for r in results["runs"]
                          if r["workload"] == src_w and r["impl"] == impl and r["temperature"] == t

@@ -221,31 +221,27 @@ def test_launch_without_attention_backend_gets_a_served_default_on_hopper():
 def test_draft_state_filter_and_merge():
     from sglang_dflash.adapter.spec_inputs import DFlashDraftState
 
-    a = DFlashDraftState(bonus_tokens=torch.tensor([10, 11, 12]), block_size=4,
-                         reserved_seq_lens_cpu=torch.tensor([20, 21, 22], dtype=torch.int32))
+    a = DFlashDraftState(bonus_tokens=torch.tensor([10, 11, 12]), block_size=4)
     a.filter_batch(torch.tensor([0, 2]))
-    assert a.bonus_tokens.tolist() == [10, 12] and a.reserved_seq_lens_cpu.tolist() == [20, 22]
-    b = DFlashDraftState(bonus_tokens=torch.tensor([13]), block_size=4,
-                         reserved_seq_lens_cpu=torch.tensor([23], dtype=torch.int32))
-    a.merge_batch(b)
-    assert a.bonus_tokens.tolist() == [10, 12, 13] and a.reserved_seq_lens_cpu.tolist() == [20, 22, 23]
+    assert a.bonus_tokens.tolist() == [10, 12]
+    a.merge_batch(DFlashDraftState(bonus_tokens=torch.tensor([13]), block_size=4))
+    assert a.bonus_tokens.tolist() == [10, 12, 13]
 
 
 def test_draft_state_relayed_through_the_future_map_filters_and_merges_its_rows():
-    """Under the overlap schedule the bonus tokens are resolved from FutureMap rows: filter/merge act on those rows
-    (and the host reservation), and a relayed batch cannot be merged with one that is not."""
+    """Under the overlap schedule the bonus tokens are resolved from FutureMap rows: filter/merge act on those rows,
+    and a relayed batch cannot be merged with one that is not."""
     from sglang_dflash.adapter.spec_inputs import DFlashDraftState
 
-    def relayed(rows, reserved):
+    def relayed(rows):
         return DFlashDraftState(bonus_tokens=torch.full((len(rows),), -1), block_size=4,
-                                reserved_seq_lens_cpu=torch.tensor(reserved, dtype=torch.int32),
                                 future_indices=torch.tensor(rows))
 
-    a = relayed([7, 3, 9], [20, 21, 22])
+    a = relayed([7, 3, 9])
     a.filter_batch(torch.tensor([2, 0]), [2, 0])
-    assert a.future_indices.tolist() == [9, 7] and a.reserved_seq_lens_cpu.tolist() == [22, 20]
-    a.merge_batch(relayed([5], [23]))
-    assert a.future_indices.tolist() == [9, 7, 5] and a.reserved_seq_lens_cpu.tolist() == [22, 20, 23]
+    assert a.future_indices.tolist() == [9, 7]
+    a.merge_batch(relayed([5]))
+    assert a.future_indices.tolist() == [9, 7, 5]
     with pytest.raises(RuntimeError, match="FutureMap"):
         a.merge_batch(DFlashDraftState(bonus_tokens=torch.tensor([1]), block_size=4))
     # the FutureMap's relay payload reads these fields of every algorithm's draft state
@@ -384,7 +380,7 @@ def test_step_graph_plan_uses_host_lengths_with_padded_rows(monkeypatch):
             num_qo_heads=heads, num_kv_heads=3, head_dim=64, q_data_type=torch.bfloat16, data_type=torch.bfloat16))
 
     graphs = object.__new__(step_graphs.StepGraphs)
-    graphs.B, graphs.plan_bucket = B, None
+    graphs.B = B
     graphs.qo_indptr_host = torch.arange(0, 9 * B, B, dtype=torch.int32)
     graphs.draft_backend, graphs.target_backend = backend(9), backend(12)
     captured = step_graphs._Captured(m, None, None, None, [wrapper()], [wrapper()], None)
@@ -401,41 +397,6 @@ def test_step_graph_plan_uses_host_lengths_with_padded_rows(monkeypatch):
         assert kw["qo_indptr_host"].tolist() == [0, 4, 8, 12, 16, 20, 24]
         assert kw["max_q_len"] == B and kw["max_kv_len"] == 21
         assert kw["kv_lens_host"].dtype == kw["kv_indptr_host"].dtype == torch.int32
-
-
-def test_host_bound_plan_rounds_up_to_the_bucket_and_keeps_a_plan_that_covers_the_step(monkeypatch):
-    """With host-bound planning (a plan bucket), real rows are planned rounded up to the bucket and a size's plan
-    is reused while every row's kv length (bound + block) stays within its planned length; a row past it, or a
-    padded row becoming a longer real one, plans again. Without a bucket every replay plans exactly."""
-    from sglang_dflash.adapter import step_graphs
-
-    calls = []
-    monkeypatch.setattr(step_graphs, "fast_prefill_plan", lambda w, *args, **kw: calls.append(kw["kv_lens_host"]))
-    B, m = 16, 4
-    wrapper = SimpleNamespace(_qo_indptr_buf=None, _paged_kv_indptr_buf=None, _paged_kv_indices_buf=torch.zeros(1),
-                              _paged_kv_last_page_len_buf=None)
-    backend = SimpleNamespace(indices_updater_prefill=SimpleNamespace(
-        num_qo_heads=9, num_kv_heads=3, head_dim=64, q_data_type=torch.bfloat16, data_type=torch.bfloat16))
-    graphs = object.__new__(step_graphs.StepGraphs)
-    graphs.B, graphs.plan_bucket = B, 256
-    graphs.qo_indptr_host = torch.arange(0, (m + 1) * B, B, dtype=torch.int32)
-    graphs.draft_backend = graphs.target_backend = backend
-    c = step_graphs._Captured(m, None, None, None, [wrapper], [wrapper], None)
-    fill = step_graphs.SEQ_LEN_FILL + B
-
-    graphs.plan(c, torch.tensor([100, 300, 0, 0]), 2, m)  # kv 116, 316 -> 256, 512; padded rows as they are
-    assert [k.tolist() for k in calls] == [[256, 512, fill, fill]] * 2  # draft and target wrapper
-    for prefix, n in (([240, 300], 2), ([100, 496], 2), ([0, 0], 2), ([240], 1)):  # within the plan: kept
-        graphs.plan(c, torch.tensor(prefix + [0] * (m - len(prefix))), n, m)
-    assert len(calls) == 2
-    graphs.plan(c, torch.tensor([241, 300, 0, 0]), 2, m)  # row 0: 257 > 256
-    assert [k.tolist() for k in calls[2:]] == [[512, 512, fill, fill]] * 2
-    graphs.plan(c, torch.tensor([10, 10, 10, 0]), 3, m)  # a padded row (planned fill) is now a real row
-    assert [k.tolist() for k in calls[4:]] == [[256, 256, 256, fill]] * 2
-    graphs.plan_bucket = None  # exact planning: every call plans, unrounded
-    graphs.plan(c, torch.tensor([10, 10, 10, 0]), 3, m)
-    graphs.plan(c, torch.tensor([10, 10, 10, 0]), 3, m)
-    assert [k.tolist() for k in calls[6:]] == [[26, 26, 26, fill]] * 4
 
 
 def test_step_graph_accept_writes_one_packed_buffer():
@@ -592,65 +553,6 @@ def test_step_timeline_adds_up_device_and_host_time_once_events_complete(tmp_pat
     assert off.resolved == 0 and not off.pending
 
 
-def test_host_bound_planning_is_opt_in_flashinfer_only_and_plans_from_an_upper_bound(monkeypatch):
-    """SGLANG_DFLASH_HOST_BOUND_PLAN=1: the step's attention is planned from the KV reservation less one block (an
-    upper bound of the committed length, which lags by at most one step on the host), and the worker tells SGLang's
-    FutureMap that none of its backends needs the host mirror; refused on backends that read host lengths as exact."""
-    from sglang_dflash.adapter import server_args
-    from sglang_dflash.adapter.spec_inputs import DFlashDraftState
-    from sglang_dflash.adapter.worker import DFlashWorker
-
-    monkeypatch.delenv(server_args.HOST_BOUND_PLAN_ENV, raising=False)
-    assert server_args.host_bound_plan("flashinfer") is False and server_args.host_bound_plan("torch_native") is False
-    monkeypatch.setenv(server_args.HOST_BOUND_PLAN_ENV, "1")
-    assert server_args.host_bound_plan("flashinfer") is True
-    with pytest.raises(ValueError, match="needs --attention-backend flashinfer"):
-        server_args.host_bound_plan("torch_native")
-
-    B = 4
-    state = DFlashDraftState(bonus_tokens=torch.zeros(3, dtype=torch.int64), block_size=B)
-    state.reserved_seq_lens_cpu = torch.tensor([13, 20, 17], dtype=torch.int32)
-    batch = SimpleNamespace(seq_lens_cpu=torch.tensor([5, 3, 9]))
-    backends = ("target backend", "draft backend")
-    runners = dict(target_runner=SimpleNamespace(attn_backend=backends[0]),
-                   draft_runner=SimpleNamespace(attn_backend=backends[1]))
-    exact = SimpleNamespace(host_bound_plan=False, block_size=B, **runners)
-    bound = SimpleNamespace(host_bound_plan=True, block_size=B, **runners)
-    got = DFlashWorker.planned_prefix_lens(exact, batch, state)
-    assert got.tolist() == [5, 3, 9] and got.dtype == torch.int64
-    got = DFlashWorker.planned_prefix_lens(bound, SimpleNamespace(seq_lens_cpu=None), state)
-    assert got.tolist() == [9, 16, 13] and got.dtype == torch.int64
-    assert DFlashWorker.spec_v2_attn_backends.fget(exact) == backends
-    assert DFlashWorker.spec_v2_attn_backends.fget(bound) == ()
-
-
-def test_reservation_bounds_the_verify_length_one_step_ahead(monkeypatch):
-    """What host-bound planning relies on: after prepare_for_decode on the host's lagging committed length c, the
-    verify of a request that committed 1..B more tokens in the step in flight reads at most c + 2B kv entries, and
-    the reservation the plan uses is at least that."""
-    from sglang_dflash.adapter import spec_inputs
-
-    counter = [1000]
-
-    def alloc(tree_cache, n):
-        counter[0] += n
-        return torch.arange(counter[0] - n, counter[0], dtype=torch.int64)
-
-    monkeypatch.setattr(spec_inputs, "alloc_token_slots", alloc)
-    B = 16
-    for committed, allocated in ((5, 6), (30, 100), (61, 64)):
-        req = SimpleNamespace(req_pool_idx=0, kv_committed_len=committed, kv=SimpleNamespace(kv_allocated_len=allocated))
-        req_to_token = torch.full((1, 256), -1, dtype=torch.int32)
-        batch = SimpleNamespace(reqs=[req], batch_size=lambda: 1, tree_cache=None,
-                                req_to_token_pool=SimpleNamespace(req_to_token=req_to_token))
-        state = spec_inputs.DFlashDraftState(bonus_tokens=torch.zeros(1, dtype=torch.int64), block_size=B)
-        state.prepare_for_decode(batch)
-        reserved = int(state.reserved_seq_lens_cpu[0])
-        assert (req_to_token[0, allocated:reserved] >= 0).all()  # the slots past the old allocation exist now
-        for in_flight in range(1, B + 1):  # tokens the step in flight commits before this one runs
-            assert committed + in_flight + B <= reserved  # the verify's kv length
-
-
 def test_prepare_for_decode_reserves_two_blocks_past_the_committed_length(monkeypatch):
     from sglang_dflash.adapter import spec_inputs
 
@@ -678,4 +580,3 @@ def test_prepare_for_decode_reserves_two_blocks_past_the_committed_length(monkey
     assert req_to_token[1, 14:17].tolist() == list(range(107, 110)) and req_to_token[1, 17] == -1
     assert (req_to_token[0] == -1).all() and (req_to_token[2, :6] == -1).all()
     assert batch.seq_lens_cpu.tolist() == [5, 3, 9] and batch.seq_lens_sum == 17
-    assert state.reserved_seq_lens_cpu.tolist() == [13, 20, 17]

@@ -41,13 +41,13 @@ def test_table_reports_medians_and_spread(capsys):
     out = capsys.readouterr().out
     assert "median of 3 passes per cell" in out
     assert 'per-phase ms/step, bound_accept_all (synchronous scheduler, synchronized phases): {"step_graph": 2.0}' in out
-    assert "| real | 0 | 1 | 500 | 390 | 450 | 0.90x | 1.15x | — | — | — | — | 67% | — | — |" in out
+    assert "| real | 0 | 1 | 500 | 390 | 450 | 0.90x | 1.15x | — | — | — | — | 67% | — |\n" in out
     timed = {"args": {"repeats": 1}, "identity": {}, "runs": [
         bench.median_row([{"output_throughput": 1000.0, "mean_tpot_ms": 0.25, "mean_ttft_ms": 20.0,
                            "accept_length": 16.0}], "bound_accept_all", "ours", 0.0, 1),
         bench.median_row([{"output_throughput": 100.0, "mean_tpot_ms": 1.5}], "bound_accept_all", "nospec", 0.0, 1)]}
     bench.print_table(timed)
-    assert "| bound_accept_all | 0 | 1 | 100 | — | 1,000 (16.00) | 10.00x | — | 20.00 | 0.25 | 4.00 | 1.50 | 0% | — | — |" \
+    assert "| bound_accept_all | 0 | 1 | 100 | — | 1,000 (16.00) | 10.00x | — | 20.00 | 0.25 | 4.00 | 1.50 | 0% | — |\n" \
         in capsys.readouterr().out
 
 
@@ -84,7 +84,7 @@ def test_identity_check_separates_near_tie_partings_from_real_ones():
 
 
 def test_server_env_reaches_its_own_process_only(monkeypatch, tmp_path):
-    """Per-server variables (profiling, timeline, host-bound planning) go to that server's process, not to this
+    """Per-server variables (profiling, timeline) go to that server's process, not to this
     process's environment, so the servers started after it do not inherit them."""
     import os
 

@@ -100,23 +100,6 @@ def overlap_supported(server_args) -> bool:
     return not _on_cpu(server_args) or os.environ.get(CPU_OVERLAP_ENV) == "1"
 
 
-HOST_BOUND_PLAN_ENV = "SGLANG_DFLASH_HOST_BOUND_PLAN"
-
-
-def host_bound_plan(attention_backend: str) -> bool:
-    """``SGLANG_DFLASH_HOST_BOUND_PLAN=1`` (experimental, FlashInfer only): plan each decode step's attention from a
-    host upper bound of the committed lengths instead of their exact values, so that under the overlap schedule
-    SGLang's FutureMap need not copy them to the host (which makes the host wait for the previous step before it
-    plans the next). FlashInfer's paged prefill kernel clamps every planned kv chunk to the real length, so an
-    over-long plan yields empty chunks; other backends read the host lengths as exact and are refused."""
-    if os.environ.get(HOST_BOUND_PLAN_ENV) != "1":
-        return False
-    if attention_backend != "flashinfer":
-        raise ValueError(f"sglang-dflash: {HOST_BOUND_PLAN_ENV}=1 needs --attention-backend flashinfer (got "
-                         f"{attention_backend}, which reads the committed lengths on the host as exact); unset it")
-    return True
-
-
 def _on_cpu(server_args) -> bool:
     """DFLASH is served on CPU (``--device cpu``; SGLang's default device is CUDA)."""
     return (server_args.device or "cuda") == "cpu"

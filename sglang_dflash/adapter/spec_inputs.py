@@ -30,7 +30,6 @@ class DFlashDraftState(SpecInput):
 
     bonus_tokens: torch.Tensor
     block_size: int
-    reserved_seq_lens_cpu: Optional[torch.Tensor] = None
     future_indices: Optional[torch.Tensor] = None
     # FutureMap relay fields of other algorithms (EAGLE's top-k, hidden states); DFLASH relays the bonus only
     topk_p: Optional[torch.Tensor] = None
@@ -73,22 +72,14 @@ class DFlashDraftState(SpecInput):
             req.kv.kv_allocated_len = n
         batch.seq_lens_cpu = torch.tensor(committed, dtype=torch.int64)
         batch.seq_lens_sum = sum(committed)
-        self.reserved_seq_lens_cpu = torch.tensor(reserved, dtype=torch.int32)
 
     def filter_batch(self, new_indices: torch.Tensor, new_indices_cpu: Optional[List[int]] = None):
-        if self.reserved_seq_lens_cpu is not None:
-            keep_cpu = new_indices_cpu if new_indices_cpu is not None else new_indices.cpu()
-            self.reserved_seq_lens_cpu = self.reserved_seq_lens_cpu[keep_cpu]
         if self.future_indices is not None:  # the bonus tokens are resolved from these rows
             self.future_indices = self.future_indices[new_indices]
             return
         self.bonus_tokens = self.bonus_tokens[new_indices]
 
     def merge_batch(self, other: "DFlashDraftState"):
-        if self.reserved_seq_lens_cpu is not None and other.reserved_seq_lens_cpu is not None:
-            self.reserved_seq_lens_cpu = torch.cat([self.reserved_seq_lens_cpu, other.reserved_seq_lens_cpu])
-        else:
-            self.reserved_seq_lens_cpu = None
         if self.future_indices is not None or other.future_indices is not None:
             if self.future_indices is None or other.future_indices is None:
                 raise RuntimeError("sglang-dflash: merging a batch relayed through the FutureMap with one that is not")

@@ -42,10 +42,6 @@ from sglang_dflash.adapter.spec_inputs import DFlashBlockInput, write_block_kv_l
 from sglang_dflash.kernels.block_builder import build_block
 
 SEQ_LEN_FILL = 1  # committed length of padded rows (FlashInfer needs kv_len >= 1 per row)
-# With host-bound planning, each request's planned kv length is rounded up to a multiple of this many tokens and a
-# size's plan is kept while every row's kv length stays within it (FlashInfer clamps planned kv chunks to the real
-# length, so a plan for longer rows serves shorter ones): at 16 tokens per step, one plan per ~16 steps.
-PLAN_BUCKET = 256
 
 
 @dataclass
@@ -63,14 +59,13 @@ class StepOutputs:
 class _Captured:
     """One batch size: its graph, its wrappers (planned before a replay), its outputs, the two ForwardBatches of
     the capture, which hold the static block tensors the graph reads and writes, and ``packed``, the one int64
-    buffer the greedy accept writes (`unpack`; a replay copies it out in one launch). ``planned_kv_lens``: the kv lengths of the wrappers' current plan."""
+    buffer the greedy accept writes (`unpack`; a replay copies it out in one launch)."""
 
     def __init__(self, bs, graph, draft_fb, target_fb, draft_wrappers, target_wrappers, outputs, packed=None):
         self.bs, self.graph = bs, graph
         self.draft_fb, self.target_fb = draft_fb, target_fb
         self.draft_wrappers, self.target_wrappers = draft_wrappers, target_wrappers
         self.outputs, self.packed = outputs, packed
-        self.planned_kv_lens: torch.Tensor | None = None
 
 
 class StepGraphs:
@@ -79,7 +74,6 @@ class StepGraphs:
     def __init__(self, worker, batch_sizes: Sequence[int]):
         self.w = worker
         self.B = worker.block_size
-        self.plan_bucket = PLAN_BUCKET if worker.host_bound_plan else None
         self.sizes = sorted({int(b) for b in batch_sizes})
         max_bs, dev = self.sizes[-1], worker.device
         self.bonus = torch.zeros(max_bs, dtype=torch.int64, device=dev)
@@ -188,10 +182,9 @@ class StepGraphs:
         """The captured batch size a batch of n requests replays (None: larger than every capture)."""
         return padded_rows(n, self.sizes)
 
-    def replay(self, batch, bonus_tokens: torch.Tensor, prefix_lens_cpu: torch.Tensor) -> StepOutputs:
-        """One decode step for ``batch`` (n requests, at most the largest captured size), attention planned from
-        ``prefix_lens_cpu`` [n] (the committed lengths or an upper bound: `DFlashWorker.planned_prefix_lens`);
-        returns the real rows' outputs."""
+    def replay(self, batch, bonus_tokens: torch.Tensor) -> StepOutputs:
+        """One decode step for ``batch`` (n requests, at most the largest captured size); returns the real rows'
+        outputs."""
         n = batch.batch_size()
         m = self.padded_size(n)
         c = self.captured[m]
@@ -203,7 +196,7 @@ class StepGraphs:
             self.seq_lens[n:m].fill_(SEQ_LEN_FILL)
             self.req_pool_indices[n:m].zero_()
             self.valid[n:m].fill_(False)
-        self.plan(c, prefix_lens_cpu, n, m)
+        self.plan(c, batch.seq_lens_cpu, n, m)
         c.graph.replay()
         o = c.outputs
         accept_lens, bonus_tokens, committed, new_seq_lens = unpack(c.packed.clone(), m, self.B)  # one copy
@@ -212,17 +205,11 @@ class StepGraphs:
 
     def plan(self, c: _Captured, prefix_lens_cpu: torch.Tensor, n: int, m: int) -> None:
         """Plan both forwards' attention from host-known lengths (committed prefix + block per request, padded
-        rows SEQ_LEN_FILL + block); the device-side layout is written by the graph itself. With a plan bucket
-        (host-bound planning) real rows are planned rounded up to the bucket, and the plan is kept while every
-        row's kv length stays within its planned one."""
+        rows SEQ_LEN_FILL + block); the device-side layout is written by the graph itself. Exact lengths: planning
+        from an upper bound (with SGLang's host mirror of the committed lengths off) gave wrong tokens on the H200."""
         kv_lens = torch.full((m,), SEQ_LEN_FILL + self.B, dtype=torch.int32)
         kv_lens[:n] = prefix_lens_cpu[:n]
         kv_lens[:n] += self.B
-        if self.plan_bucket is not None:
-            if c.planned_kv_lens is not None and bool((kv_lens <= c.planned_kv_lens).all()):
-                return
-            kv_lens[:n] = (kv_lens[:n] + self.plan_bucket - 1) // self.plan_bucket * self.plan_bucket
-        c.planned_kv_lens = kv_lens
         kv_indptr = torch.zeros((m + 1,), dtype=torch.int32)
         torch.cumsum(kv_lens, dim=0, out=kv_indptr[1:])
         layout = dict(qo_indptr_host=self.qo_indptr_host[: m + 1], kv_indptr_host=kv_indptr, kv_lens_host=kv_lens,

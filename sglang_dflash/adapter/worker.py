@@ -49,7 +49,6 @@ from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_m
 from sglang_dflash.adapter.commit_graphs import CommitGraphs
 from sglang_dflash.adapter.draft_model import SGLangDFlashDraft
 from sglang_dflash.adapter.profiling import PhaseTimer, StepTimeline
-from sglang_dflash.adapter.server_args import host_bound_plan
 from sglang_dflash.adapter.spec_inputs import DFlashBlockInput, DFlashDraftState
 from sglang_dflash.adapter.step_graphs import StepGraphs
 from sglang_dflash.config import DFlashDraftConfig
@@ -94,7 +93,6 @@ class DFlashWorker(BaseSpecWorker):
         # FlashInfer's TARGET_VERIFY reads `seq_lens` as the committed prefix (the block is added by
         # `generate_attn_arg_prefill`); torch_native reads it as the full KV length and needs extend lens.
         self.paged_verify = self.backend != "torch_native"
-        self.host_bound_plan = host_bound_plan(self.backend)
         self._draft_worker = self._build_draft_worker(server_args, gpu_id, ps, nccl_port)
         self.draft_runner = self._draft_worker.model_runner
         self.draft_model: SGLangDFlashDraft = self.draft_runner.model
@@ -147,19 +145,8 @@ class DFlashWorker(BaseSpecWorker):
     @property
     def spec_v2_attn_backends(self) -> tuple:
         """The backends whose ``needs_cpu_seq_lens`` decides whether SGLang's FutureMap mirrors the committed lengths
-        to the host each step; with host-bound planning none of ours reads them (empty tuple)."""
-        if self.host_bound_plan:
-            return ()
+        to the host each step (both forwards plan their attention from them)."""
         return (self.target_runner.attn_backend, self.draft_runner.attn_backend)
-
-    def planned_prefix_lens(self, batch, state: DFlashDraftState) -> torch.Tensor:
-        """[bs] int64 committed lengths the host plans the step's attention from: exact (``batch.seq_lens_cpu``), or
-        with host-bound planning an upper bound, the step's KV reservation less one block (under the overlap
-        schedule the host's committed lengths lag by at most one step, which commits at most a block; the
-        reservation is at least that lagging length + 2 blocks)."""
-        if self.host_bound_plan:
-            return state.reserved_seq_lens_cpu.to(torch.int64) - self.block_size
-        return batch.seq_lens_cpu.to(torch.int64)
 
     def alloc_memory_pool(self, memory_pool_config=None, req_to_token_pool=None, token_to_kv_pool_allocator=None):
         self._draft_worker.alloc_memory_pool(
@@ -233,11 +220,10 @@ class DFlashWorker(BaseSpecWorker):
         replay SGLang's per-runner graphs where they can)."""
         with t("build_block"):
             block = self.build_block(batch, state)
-        prefix_cpu = self.planned_prefix_lens(batch, state)
         with t("draft"):
-            draft_tokens = self.draft(batch, block, prefix_cpu)
+            draft_tokens = self.draft(batch, block)
         with t("verify"):
-            logits_output, can_run_graph = self.verify(batch, block, draft_tokens, prefix_cpu)
+            logits_output, can_run_graph = self.verify(batch, block, draft_tokens)
         with t("accept"):
             accepted = self.accept(batch, draft_tokens, logits_output)
         with t("commit_kv"):
@@ -248,7 +234,7 @@ class DFlashWorker(BaseSpecWorker):
         """The same phases replayed as one CUDA graph (`StepGraphs`); its greedy accept is used unless the
         batch needs more (sampling, grammars, penalties, logit processors), which accept on its logits."""
         with t("step_graph"):
-            out = self.step_graphs.replay(batch, state.bonus_tokens, self.planned_prefix_lens(batch, state))
+            out = self.step_graphs.replay(batch, state.bonus_tokens)
         logits_output = LogitsProcessorOutput(next_token_logits=out.logits)
         with t("accept"):
             if self.plain_greedy(batch):  # the replay's own copies of the graph's accept outputs
@@ -287,10 +273,10 @@ class DFlashWorker(BaseSpecWorker):
         )
         return _Block(input_ids, positions, out_cache_loc)
 
-    def _forward_batch(self, batch, block: "_Block", input_ids, capture, prefix_cpu) -> ForwardBatch:
-        """TARGET_VERIFY-mode ForwardBatch over one block per request; prefix_cpu [bs] int64 from
-        `planned_prefix_lens`."""
+    def _forward_batch(self, batch, block: "_Block", input_ids, capture) -> ForwardBatch:
+        """TARGET_VERIFY-mode ForwardBatch over one block per request."""
         bs, B = batch.batch_size(), self.block_size
+        prefix_cpu = batch.seq_lens_cpu.to(torch.int64)
         seq_lens_cpu = prefix_cpu + B  # host bound: committed prefix + the block
         seq_lens = batch.seq_lens if self.paged_verify else batch.seq_lens + B
         spec_info = DFlashBlockInput(draft_token=input_ids, positions=block.positions, draft_token_num=B,
@@ -310,9 +296,9 @@ class DFlashWorker(BaseSpecWorker):
             fb.extend_num_tokens = bs * B
         return fb
 
-    def draft(self, batch, block: "_Block", prefix_cpu) -> torch.Tensor:
+    def draft(self, batch, block: "_Block") -> torch.Tensor:
         """-> draft_tokens [bs, B]: column 0 = bonus token, 1.. = draft proposals."""
-        fb = self._forward_batch(batch, block, block.input_ids, CaptureHiddenMode.NULL, prefix_cpu)
+        fb = self._forward_batch(batch, block, block.input_ids, CaptureHiddenMode.NULL)
         fb.input_embeds = self.embed(block.input_ids)
         hidden = self.draft_runner.forward(fb).logits_output.hidden_states
         return self.propose(hidden, block.input_ids, batch.batch_size())
@@ -324,8 +310,8 @@ class DFlashWorker(BaseSpecWorker):
         proposals = torch.matmul(hidden.view(bs, B, -1)[:, 1:], self.lm_head_weight.t()).argmax(dim=-1)
         return torch.cat([input_ids.view(bs, B)[:, :1], proposals], dim=1)
 
-    def verify(self, batch, block: "_Block", draft_tokens: torch.Tensor, prefix_cpu):
-        fb = self._forward_batch(batch, block, draft_tokens.reshape(-1), CaptureHiddenMode.FULL, prefix_cpu)
+    def verify(self, batch, block: "_Block", draft_tokens: torch.Tensor):
+        fb = self._forward_batch(batch, block, draft_tokens.reshape(-1), CaptureHiddenMode.FULL)
         out = self.target_runner.forward(fb)
         return out.logits_output, out.can_run_graph
 
