@@ -254,9 +254,9 @@ def check_identical(servers: list[Server], prompts_ids: list[list[int]], max_new
 # Kernel-name patterns of the categories a decode step's GPU time is reported in (first match wins).
 KERNEL_CATEGORIES = (
     ("sglang-dflash triton", ("_build_block_kernel", "_accept_kernel")),
-    ("attention", ("flashinfer", "BatchPrefill", "BatchDecode", "Attention", "attention")),
-    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "Gemm", "splitK")),
     ("norm", ("rmsnorm", "RMSNorm", "norm_kernel", "Norm")),
+    ("attention", ("BatchPrefill", "BatchDecode", "MergeStates", "Attention", "attention")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "Gemm", "splitK")),
     ("rope", ("rope", "rotary", "Rotary")),
     ("kv store", ("store_kv", "set_kv", "kv_buffer", "copy_to_kv")),
     ("memcpy / memset", ("Memcpy", "Memset", "memcpy", "memset")),

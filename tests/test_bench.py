@@ -186,4 +186,9 @@ def test_kernel_trace_summary_per_decode_step():
     assert s["categories_us_per_step"] == {"gemm": 10.0, "other": 10.0, "attention": 6.0,
                                            "sglang-dflash triton": 3.0, "memcpy / memset": 0.5}
     assert s["top_kernels"][0] == {"name": "nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "per_step": 1.0, "us_per_step": 10.0}
+    assert [bench.kernel_category(n) for n in (
+        "void flashinfer::norm::FusedAddRMSNormKernel<8u, __nv_bfloat16>(__nv_bfloat16*, __nv_bfloa",
+        "void flashinfer::PersistentVariableLengthMergeStatesKernel<8u, 8u, 16u, 4u, __nv_bfloat16,",
+        "void flashinfer::BatchDecodeWithPagedKVCacheKernel<(flashinfer::PosEncodingMode)0, 2u, 1u,")] == [
+        "norm", "attention", "attention"]
     assert bench.summarize_trace([], steps=2) == {"error": "no GPU events in the trace"}
