@@ -98,11 +98,10 @@ def test_server_env_reaches_its_own_process_only(monkeypatch, tmp_path):
     assert "SGLANG_DFLASH_TIMELINE" not in spawned[1] and "SGLANG_DFLASH_TIMELINE" not in os.environ
 
 
-def test_later_passes_run_the_lowest_concurrency_first():
+def test_passes_run_the_lowest_concurrency_first():
     cells = [("real", "nospec", None, 0.0, 1), ("real", "nospec", None, 0.0, 64), ("real", "ours", None, 0.0, 16),
              ("real", "ours", None, 0.0, 1), ("bound_accept_all", "ours", None, 0.0, 4)]
-    assert bench.pass_order(cells, 0) == cells
-    assert bench.pass_order(cells, 1) == [cells[0], cells[3], cells[4], cells[2], cells[1]]
+    assert bench.pass_order(cells) == [cells[0], cells[3], cells[4], cells[2], cells[1]]
 
 
 def test_timeline_delta_is_the_calls_between_two_snapshots():
