@@ -28,6 +28,7 @@ from torch import nn
 from .config import DFlashConfigError, DFlashDraftConfig, resolve_draft_dir
 
 KV = tuple[torch.Tensor, torch.Tensor]
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) [b, L, 1, D] of `rope_cos_sin`
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 
@@ -71,11 +72,17 @@ def rope_inv_freq(cfg: DFlashDraftConfig) -> torch.Tensor:
     return inv_freq.to(torch.float32)
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Neox-style RoPE. x ``[b, L, heads, D]``, positions ``[b, L]`` -> ``[b, L, heads, D]``."""
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> Rope:
+    """positions ``[b, L]`` -> neox-style (cos, sin) ``[b, L, 1, D]`` in ``dtype``, computed once per forward and
+    shared by every layer, head and by queries and keys."""
     freqs = positions.to(torch.float32)[..., None] * inv_freq  # [b, L, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """Neox-style RoPE. x ``[b, L, heads, D]``, rope from `rope_cos_sin` -> ``[b, L, heads, D]``."""
+    cos, sin = rope[0].to(x.dtype), rope[1].to(x.dtype)  # no-ops in the dtype they were made for
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -93,30 +100,31 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def kv(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> KV:
-        """x ``[b, L, H]`` -> normed+roped k, v ``[b, L, Hkv, D]``."""
+    def kv(self, x: torch.Tensor, rope: Rope) -> KV:
+        """x ``[b, L, H]``, rope of its positions -> normed+roped k, v ``[b, L, Hkv, D]``."""
         b, n, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
-        return apply_rope(k, positions, inv_freq), v
+        return apply_rope(k, rope), v
 
-    def qkv(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x ``[b, L, H]`` -> q ``[b, L, Hq, D]``, k, v ``[b, L, Hkv, D]`` (q, k normed + roped)."""
+    def qkv(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x ``[b, L, H]``, rope of its positions -> q ``[b, L, Hq, D]``, k, v ``[b, L, Hkv, D]`` (q, k normed +
+        roped)."""
         b, n, _ = x.shape
-        q = apply_rope(self.q_norm(self.q_proj(x).view(b, n, self.num_heads, self.head_dim)), positions, inv_freq)
-        return (q, *self.kv(x, positions, inv_freq))
+        q = apply_rope(self.q_norm(self.q_proj(x).view(b, n, self.num_heads, self.head_dim)), rope)
+        return (q, *self.kv(x, rope))
 
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rope: Rope,
         ctx_kv: KV,
         mask: Optional[torch.Tensor],
-        inv_freq: torch.Tensor,
     ) -> torch.Tensor:
-        """x ``[b, Q, H]`` (normed block stream), ctx_kv ``[b, C, Hkv, D]``, mask bool ``[b, Q, C+Q]`` or None."""
+        """x ``[b, Q, H]`` (normed block stream), rope of the block positions, ctx_kv ``[b, C, Hkv, D]``, mask bool
+        ``[b, Q, C+Q]`` or None."""
         b, q_len, _ = x.shape
-        q, k_blk, v_blk = self.qkv(x, positions, inv_freq)
+        q, k_blk, v_blk = self.qkv(x, rope)
         k = torch.cat((ctx_kv[0], k_blk), dim=1).transpose(1, 2)
         v = torch.cat((ctx_kv[1], v_blk), dim=1).transpose(1, 2)
         attn_mask = None if mask is None else mask[:, None]
@@ -146,8 +154,8 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, positions, ctx_kv, mask, inv_freq):
-        h = h + self.self_attn(self.input_layernorm(h), positions, ctx_kv, mask, inv_freq)
+    def forward(self, h, rope, ctx_kv, mask):
+        h = h + self.self_attn(self.input_layernorm(h), rope, ctx_kv, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -203,7 +211,7 @@ class DFlashDraftModel(nn.Module):
         kf = k.to(torch.float32) if k.dtype in (torch.float16, torch.bfloat16) else k
         kf = kf * torch.rsqrt(kf.pow(2).mean(-1, keepdim=True) + attns[0].k_norm.eps)
         k = torch.stack([a.k_norm.weight for a in attns])[:, None, :] * kf.to(k.dtype)
-        k = apply_rope(k.flatten(2, 3), positions, self.inv_freq(ctx.device)).view_as(v)
+        k = apply_rope(k.flatten(2, 3), rope_cos_sin(positions, self.inv_freq(ctx.device), k.dtype)).view_as(v)
         return [(k[:, :, i], v[:, :, i]) for i in range(n)]
 
     def forward(
@@ -236,9 +244,9 @@ class DFlashDraftModel(nn.Module):
             in_window = key_pos[:, None, :] > block_positions[:, :, None] - window  # [b, Q, C+Q]
             masks[window] = in_window if attn_mask is None else in_window & attn_mask
         h = block_embeds.to(self.dtype)
-        inv_freq = self.inv_freq(h.device)
+        rope = rope_cos_sin(block_positions, self.inv_freq(h.device), h.dtype)
         for layer, kv in zip(self.layers, ctx_kv):
-            h = layer(h, block_positions, kv, masks[layer.self_attn.sliding_window], inv_freq)
+            h = layer(h, rope, kv, masks[layer.self_attn.sliding_window])
         return self.norm(h)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sglang_dflash.config import DFlashDraftConfig
-from sglang_dflash.model import DFlashDraftModel, DraftKVCache, load_draft, save_draft
+from sglang_dflash.model import DFlashDraftModel, DraftKVCache, load_draft, rope_cos_sin, save_draft
 
 
 def _cfg(**overrides) -> DFlashDraftConfig:
@@ -277,8 +277,36 @@ def test_fused_context_kv_equals_per_layer_projection(dtype):
     ctx = torch.randn(2, 9, model.cfg.hidden_size, dtype=dtype)
     positions = torch.arange(9).expand(2, 9) + torch.tensor([[3], [40]])
     fused = model.context_kv(ctx, positions)
-    inv_freq = model.inv_freq(ctx.device)
+    rope = rope_cos_sin(positions, model.inv_freq(ctx.device), dtype)
     for (k, v), layer in zip(fused, model.layers):
-        k_ref, v_ref = layer.self_attn.kv(ctx, positions, inv_freq)
+        k_ref, v_ref = layer.self_attn.kv(ctx, rope)
         assert torch.equal(v, v_ref)
         torch.testing.assert_close(k, k_ref, rtol=0, atol=0)
+
+
+def test_one_rope_table_per_forward_equals_rope_per_head_and_layer(monkeypatch):
+    """The block forward computes the RoPE table once and shares it across layers, queries and keys (it ran once
+    per projection and layer before); the output equals per-call tables exactly."""
+    from sglang_dflash import model as model_mod
+
+    model = _random_model(_cfg()).to(torch.bfloat16)
+    ctx = torch.randn(2, 7, model.cfg.hidden_size, dtype=torch.bfloat16)
+    kv = model.context_kv(ctx, torch.arange(7).expand(2, 7))
+    emb = torch.randn(2, 4, model.cfg.hidden_size, dtype=torch.bfloat16)
+    pos = torch.arange(7, 11).expand(2, 4)
+    calls = []
+    real = model_mod.rope_cos_sin
+    monkeypatch.setattr(model_mod, "rope_cos_sin", lambda *a: calls.append(a) or real(*a))
+    shared = model(emb, pos, kv)
+    assert len(calls) == 1
+    per_call = []
+
+    def fresh(x, rope):  # what every projection used to do: its own table from the positions
+        per_call.append(1)
+        cos, sin = real(pos, model.inv_freq(x.device), x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    monkeypatch.setattr(model_mod, "apply_rope", fresh)
+    assert torch.equal(model(emb, pos, kv), shared)
+    assert len(per_call) == 2 * model.cfg.num_hidden_layers

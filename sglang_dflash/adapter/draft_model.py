@@ -24,7 +24,7 @@ from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 from sglang_dflash.config import DFlashDraftConfig
-from sglang_dflash.model import DFlashDraftModel, check_draft_state
+from sglang_dflash.model import DFlashDraftModel, check_draft_state, rope_cos_sin
 
 
 class SGLangDFlashDraft(nn.Module):
@@ -69,10 +69,9 @@ class SGLangDFlashDraft(nn.Module):
         if input_embeds is None:
             raise ValueError("sglang-dflash draft forward needs input_embeds (the target's embeddings).")
         h = input_embeds.to(self.core.dtype)
-        pos = positions.long()[None]
-        inv_freq = self.core.inv_freq(h.device)
+        rope = rope_cos_sin(positions.long()[None], self.core.inv_freq(h.device), h.dtype)
         for layer, attn in zip(self.core.layers, self.attn):
-            q, k, v = layer.self_attn.qkv(layer.input_layernorm(h)[None], pos, inv_freq)
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(h)[None], rope)
             o = attn(q[0].flatten(1), k[0].flatten(1), v[0].flatten(1), forward_batch)
             h = h + layer.self_attn.o_proj(o)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
