@@ -14,8 +14,9 @@ At temperature 0 the benchmark checks that all servers of a workload produce ide
 not, that each reply parts from no-spec only at a bf16 near-tie of it (``sglang_dflash.compare``).
 Every cell (server x temperature x concurrency) runs `--repeats` times, the passes interleaved over all cells
 so that a slow spell of the machine hits every server alike; the table reports the median pass and the spread
-of ours ((max - min) / median). `--profile` and `--timeline` add diagnostics (see their help); `--kernel-profile` traces where a decode step's GPU time goes on every
-server. `--prefill-graph-tokens` captures SGLang's prefill CUDA graph on every server (default: eager prefill).
+of ours ((max - min) / median). `--profile` and `--timeline` add diagnostics (see their help); `--kernel-profile`
+traces where a decode step's GPU time goes on every server. `--prefill-graph-tokens` captures SGLang's prefill CUDA
+graph on every server (default: eager prefill).
 Writes `<out>/results.json` (every pass and the medians), `<out>/throughput.png`, server logs, and prints a
 table last.
 
@@ -210,13 +211,6 @@ def pass_order(cells: list) -> list:
     order within), so that a time budget cuts the costliest cells and every server's 1-request cells run (run 10's
     budget, spent in plan order, left the real workload's DFLASH servers unmeasured)."""
     return sorted(cells, key=lambda cell: cell[4])
-
-
-TIMELINE_IMPLS = ("ours",)  # the servers `--timeline` records
-
-
-def timeline_file(out: Path, workload: str, impl: str) -> Path:
-    return out / f"timeline_{workload}_{impl}.json"
 
 
 def timeline_delta(before: dict, after: dict) -> dict:
@@ -417,8 +411,8 @@ def main():
             # server runs the synchronous scheduler (so it also shows what the overlap schedule buys)
             env["SGLANG_DFLASH_PROFILE"] = str(out / f"phases_{w}.json")
             extra = [*extra, "--disable-overlap-schedule"]
-        if impl in TIMELINE_IMPLS and args.timeline:
-            env["SGLANG_DFLASH_TIMELINE"] = str(timeline_file(out, w, impl))
+        if impl == "ours" and args.timeline:
+            env["SGLANG_DFLASH_TIMELINE"] = str(out / f"timeline_{w}.json")
         servers[(w, impl)] = Server(f"{w}_{impl}", tgt, None if impl == "nospec" else drf, env_impl, out, extra,
                                     server_flags(args.server_flags, args.prefill_graph_tokens), env)
     # a benchmark stopped from outside (SIGTERM, e.g. a time limit) still stops its servers and reports what it has
@@ -451,7 +445,7 @@ def main():
                  if (w == "real" or temp == 0) and (impl != "ours_profiled" or conc in (1, 16))]
         passes = {cell[:2] + cell[3:]: [] for cell in cells}
         load_start = time.time()
-        timeline_seen = {}  # (workload, impl) -> the last timeline snapshot of that sglang-dflash server
+        timeline_seen = {}  # workload -> the last timeline snapshot of its sglang-dflash server
         for rep in range(args.repeats):
             for w, impl, s, temp, conc in pass_order(cells):
                 if args.time_budget is not None and time.time() - load_start > args.time_budget:
@@ -461,11 +455,11 @@ def main():
                 r = bench_serving(s, target, dataset, conc, max(8, args.prompts_per_level * conc),
                                   args.accept_all_output_len or args.output_len if w == "bound_accept_all"
                                   else args.output_len, temp, out)
-                tl_path = timeline_file(out, w, impl)
-                if impl in TIMELINE_IMPLS and tl_path.exists():  # this cell's share of the server's cumulative timeline
+                tl_path = out / f"timeline_{w}.json"
+                if impl == "ours" and tl_path.exists():  # this cell's share of the server's cumulative timeline
                     snap = json.loads(tl_path.read_text())["timeline"]
-                    r["timeline"] = timeline_delta(timeline_seen.get((w, impl), {}), snap)
-                    timeline_seen[(w, impl)] = snap
+                    r["timeline"] = timeline_delta(timeline_seen.get(w, {}), snap)
+                    timeline_seen[w] = snap
                 passes[(w, impl, temp, conc)].append(r)
                 print(f"[bench] pass {rep + 1}/{args.repeats} {w:18s} {impl:14s} c={conc:3d} T={temp} -> "
                       f"{r.get('output_throughput') or r.get('error', '')[:300]}", flush=True)
@@ -477,8 +471,8 @@ def main():
             s.stop()
         results["phases"] = {w: json.loads((out / f"phases_{w}.json").read_text())
                              for w in workloads if (out / f"phases_{w}.json").exists()}
-        results["timeline"] = {f"{w} {impl}": json.loads(timeline_file(out, w, impl).read_text())
-                               for w in workloads for impl in TIMELINE_IMPLS if timeline_file(out, w, impl).exists()}
+        results["timeline"] = {w: json.loads((out / f"timeline_{w}.json").read_text())
+                               for w in workloads if (out / f"timeline_{w}.json").exists()}
         (out / "results.json").write_text(json.dumps(results, indent=1))
         plot(results, out / "throughput.png")
         print_table(results)
