@@ -3,6 +3,11 @@
 For batch 1/16/64/256 and block 8/16, on CUDA:
   * ``build_block`` (slot gathering on) and ``accept_tokens``: the Triton launcher and the torch ref;
     also ``build_block`` with its value checks on (``triton+checks``: one device sync per call);
+  * ``split_kv_plan`` (FlashInfer's split-kv plan of the verify block, on the device) and its ref, which
+    plans on the host from the lengths copied there (no graph time: it syncs);
+  * the draft forward's fused ops on the bundled drafter's shapes (batch x block tokens; hidden 576,
+    9 + 3 q/k heads of 64, intermediate 1536): ``rms_norm`` (with the residual add), ``norm_rope``,
+    ``silu_mul``, each against its torch ref (the core model's op chain);
   * an empty ``@triton.jit`` kernel with the same grid and warps (one per program);
 each timed three ways (median microseconds per call):
   * ``bench_us``: ``triton.testing.do_bench``, device events around each call, with do_bench's
@@ -97,7 +102,9 @@ def main() -> int:
 
     from triton.testing import do_bench, do_bench_cudagraph
 
-    from sglang_dflash.kernels import accept_ref, accept_tokens, build_block, build_block_ref
+    from sglang_dflash.kernels import (accept_ref, accept_tokens, build_block, build_block_ref, norm_rope,
+                                       norm_rope_ref, rms_norm, rms_norm_ref, silu_mul, silu_mul_ref)
+    from sglang_dflash.kernels.attention_plan import split_kv_plan, split_kv_plan_ref
 
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
@@ -115,9 +122,10 @@ def main() -> int:
             per_call.append((time.perf_counter() - start) / calls * 1e6)
         return statistics.median(per_call)
 
-    def timed(pass_idx, kernel, b, block_size, impl, fn):
+    def timed(pass_idx, kernel, b, block_size, impl, fn, graph_ok=True):
         bench = do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median") * 1e3
-        graph = do_bench_cudagraph(fn, rep=args.rep_ms, return_mode="median") * 1e3 if impl != "triton+checks" else None
+        graph_ok = graph_ok and impl != "triton+checks"
+        graph = do_bench_cudagraph(fn, rep=args.rep_ms, return_mode="median") * 1e3 if graph_ok else None
         results.append(dict(pass_idx=pass_idx, kernel=kernel, batch=b, block_size=block_size, impl=impl,
                             bench_us=bench, graph_us=graph, host_us=host_us(fn)))
 
@@ -131,6 +139,22 @@ def main() -> int:
             cases.append((b, block_size, x, acc))
     print(f"kernels equal refs on all {len(cases)} (batch, block) cases", flush=True)
 
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    budget = 2 * sms // 3  # 3 kv heads
+    scratch = torch.zeros(3 * 256, dtype=torch.int32, device=device)
+
+    def plan_out(b, block_size):
+        padded = max(budget, b)
+        i32 = lambda n: torch.empty(n, dtype=torch.int32, device=device)  # noqa: E731
+        return padded, dict(request_indices=i32(padded), qo_tile_indices=i32(padded), kv_tile_indices=i32(padded),
+                            o_indptr=i32(b + 1), merge_indptr=i32(b * block_size + 1), kv_chunk_size=i32(1),
+                            block_valid_mask=torch.empty(padded, dtype=torch.uint8, device=device))
+
+    def plan_ref_to_device(seq_lens, block_size, padded, out):
+        for key, t in split_kv_plan_ref(seq_lens.cpu(), block_size, 1, budget, padded, 128).items():
+            out[key].copy_(t, non_blocking=True)
+
+    bf16 = torch.bfloat16
     dummy = torch.empty(1, device=device)
     for pass_idx in range(2):
         for b, block_size, x, acc in cases:
@@ -142,6 +166,29 @@ def main() -> int:
             timed(pass_idx, "accept_tokens", b, block_size, "torch_ref", lambda: accept_ref(*acc))
             timed(pass_idx, "empty_launch", b, block_size, "triton",
                   lambda: _empty_kernel[(b,)](dummy, num_warps=1))  # the launch config of ours
+            padded, pout = plan_out(b, block_size)
+            seq = x["seq_lens"]
+            split_kv_plan(seq, block_size, 1, budget, padded, 128, pout, scratch)
+            want = split_kv_plan_ref(seq.cpu(), block_size, 1, budget, padded, 128)
+            assert all(torch.equal(pout[k].cpu(), want[k]) for k in want), "split_kv_plan != its ref"
+            timed(pass_idx, "split_kv_plan", b, block_size, "triton",
+                  lambda: split_kv_plan(seq, block_size, 1, budget, padded, 128, pout, scratch))
+            timed(pass_idx, "split_kv_plan", b, block_size, "host_ref",
+                  lambda: plan_ref_to_device(seq, block_size, padded, pout), graph_ok=False)
+            n = b * block_size
+            h, res = torch.randn(n, 576, device=device, dtype=bf16), torch.randn(n, 576, device=device, dtype=bf16)
+            w = torch.ones(576, device=device, dtype=bf16)
+            timed(pass_idx, "rms_norm", b, block_size, "triton", lambda: rms_norm(h, w, 1e-5, res))
+            timed(pass_idx, "rms_norm", b, block_size, "torch_ref", lambda: rms_norm_ref(h, w, 1e-5, res))
+            qkv = torch.randn(n, 15 * 64, device=device, dtype=bf16)
+            qk = qkv[:, : 12 * 64].view(n, 12, 64)
+            hw = torch.ones(12, 64, device=device, dtype=bf16)
+            cos, sin = torch.randn(n, 64, device=device, dtype=bf16), torch.randn(n, 64, device=device, dtype=bf16)
+            timed(pass_idx, "norm_rope", b, block_size, "triton", lambda: norm_rope(qk, hw, cos, sin, 1e-5))
+            timed(pass_idx, "norm_rope", b, block_size, "torch_ref", lambda: norm_rope_ref(qk, hw, cos, sin, 1e-5))
+            gu = torch.randn(n, 2 * 1536, device=device, dtype=bf16)
+            timed(pass_idx, "silu_mul", b, block_size, "triton", lambda: silu_mul(gu))
+            timed(pass_idx, "silu_mul", b, block_size, "torch_ref", lambda: silu_mul_ref(gu))
 
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 python=platform.python_version(), rep_ms=args.rep_ms,

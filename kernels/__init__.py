@@ -19,5 +19,7 @@ def use_triton(device: torch.device) -> bool:
 # Imported after use_triton, which the kernel modules import from this package.
 from .accept import accept_ref, accept_tokens  # noqa: E402
 from .block_builder import build_block, build_block_ref  # noqa: E402
+from .draft_layers import norm_rope, norm_rope_ref, rms_norm, rms_norm_ref, silu_mul, silu_mul_ref  # noqa: E402
 
-__all__ = ["use_triton", "build_block", "build_block_ref", "accept_tokens", "accept_ref"]
+__all__ = ["use_triton", "build_block", "build_block_ref", "accept_tokens", "accept_ref", "rms_norm", "rms_norm_ref",
+           "norm_rope", "norm_rope_ref", "silu_mul", "silu_mul_ref"]

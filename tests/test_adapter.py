@@ -361,42 +361,48 @@ def test_block_kv_layout_gathers_prefix_and_block_per_request():
     assert "LAYOUT OK" in out.stdout
 
 
-def test_step_graph_plan_uses_host_lengths_with_padded_rows(monkeypatch):
-    """StepGraphs.plan: both forwards' wrappers are planned from the host lengths the graph's device layout
-    (write_block_kv_layout) will hold: real rows committed prefix + block, padded rows SEQ_LEN_FILL + block, and
-    the wrappers' own buffers as sources (no device copies)."""
+def test_step_graph_device_plan_writes_flashinfer_workspace_at_the_plan_offsets(monkeypatch):
+    """DevicePlan reads the capture-time plan's offsets (FlashInfer's PrefillPlanInfo order) and writes the split-kv
+    plan of the committed lengths there, as int32 (uint8 block_valid_mask), leaving the rest of the workspace."""
     from sglang_dflash.adapter import step_graphs
+    from sglang_dflash.kernels.attention_plan import split_kv_plan_ref
 
-    calls = []
-    monkeypatch.setattr(step_graphs, "fast_prefill_plan", lambda w, *args, **kw: calls.append((w, args, kw)))
-    B, m, n = 4, 6, 4
+    monkeypatch.setattr(step_graphs.torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(multi_processor_count=5))
+    bs, B, padded = 3, 4, 8
+    offsets = dict(req=16, qtile=48, kvtile=80, merge=112, o=176, chunk=192, valid=208)
+    info = [padded, bs * B, 0, 64, offsets["req"], offsets["qtile"], offsets["kvtile"], offsets["merge"],
+            offsets["o"], offsets["chunk"], 0, 0, offsets["valid"], 1, 1]
+    ws = torch.full((256,), 0xAB, dtype=torch.uint8)
+    wrapper = SimpleNamespace(_plan_info=info, _int_workspace_buffer=ws)
+    plan = step_graphs.DevicePlan(wrapper, bs, B, num_qo_heads=6, num_kv_heads=2,
+                                  scratch=torch.zeros(12, dtype=torch.int32))
+    assert plan.tiles_q == 1 and plan.max_batch_size_if_split == 5  # ceil(4 * 3 / 64); 2 * 5 SMs // 2 kv heads
+    seq_lens = torch.tensor([300, 1, 129])
+    plan.write(seq_lens)
+    want = split_kv_plan_ref(seq_lens, B, 1, 5, padded, 128)
+    # kv 304, 5, 133: chunks of 128 make 3 + 1 + 2 > 5 items; 133 is the smallest size with 3 + 1 + 1
+    assert want["kv_chunk_size"].item() == 133 and want["block_valid_mask"].sum() == 5
 
-    def wrapper():
-        return SimpleNamespace(_qo_indptr_buf=torch.zeros(m + 1), _paged_kv_indptr_buf=torch.zeros(m + 1),
-                               _paged_kv_indices_buf=torch.zeros(100), _paged_kv_last_page_len_buf=torch.ones(m))
+    def i32(off, n):
+        return ws[off : off + 4 * n].view(torch.int32)
 
-    def backend(heads):
-        return SimpleNamespace(indices_updater_prefill=SimpleNamespace(
-            num_qo_heads=heads, num_kv_heads=3, head_dim=64, q_data_type=torch.bfloat16, data_type=torch.bfloat16))
-
-    graphs = object.__new__(step_graphs.StepGraphs)
-    graphs.B = B
-    graphs.qo_indptr_host = torch.arange(0, 9 * B, B, dtype=torch.int32)
-    graphs.draft_backend, graphs.target_backend = backend(9), backend(12)
-    captured = step_graphs._Captured(m, None, None, None, [wrapper()], [wrapper()], None)
-    graphs.plan(captured, torch.tensor([5, 0, 17, 2, 99, 99]), n, m)
-
-    fill = step_graphs.SEQ_LEN_FILL + B
-    assert [w for w, _, _ in calls] == [*captured.draft_wrappers, *captured.target_wrappers]
-    for (w, args, kw), heads in zip(calls, (9, 12)):
-        assert args[0] is w._qo_indptr_buf and args[1] is w._paged_kv_indptr_buf
-        assert args[2].numel() == 0 and args[3] is w._paged_kv_last_page_len_buf
-        assert args[4:8] == (heads, 3, 64, 1)
-        assert kw["kv_lens_host"].tolist() == [9, 4, 21, 6, fill, fill]
-        assert kw["kv_indptr_host"].tolist() == [0, 9, 13, 34, 40, 40 + fill, 40 + 2 * fill]
-        assert kw["qo_indptr_host"].tolist() == [0, 4, 8, 12, 16, 20, 24]
-        assert kw["max_q_len"] == B and kw["max_kv_len"] == 21
-        assert kw["kv_lens_host"].dtype == kw["kv_indptr_host"].dtype == torch.int32
+    assert torch.equal(i32(offsets["req"], padded), want["request_indices"])
+    assert torch.equal(i32(offsets["qtile"], padded), want["qo_tile_indices"])
+    assert torch.equal(i32(offsets["kvtile"], padded), want["kv_tile_indices"])
+    assert torch.equal(i32(offsets["merge"], bs * B + 1), want["merge_indptr"])
+    assert torch.equal(i32(offsets["o"], bs + 1), want["o_indptr"])
+    assert torch.equal(i32(offsets["chunk"], 1), want["kv_chunk_size"])
+    assert torch.equal(ws[offsets["valid"] : offsets["valid"] + padded], want["block_valid_mask"])
+    written = torch.zeros(256, dtype=torch.bool)
+    for key, n in (("req", padded), ("qtile", padded), ("kvtile", padded), ("merge", bs * B + 1), ("o", bs + 1),
+                   ("chunk", 1)):
+        written[offsets[key] : offsets[key] + 4 * n] = True
+    written[offsets["valid"] : offsets["valid"] + padded] = True
+    assert (ws[~written] == 0xAB).all()
+    with pytest.raises(RuntimeError, match="expected a CUDA-graph plan with split kv"):
+        step_graphs.DevicePlan(SimpleNamespace(_plan_info=info[:14] + [0], _int_workspace_buffer=ws), bs, B, 6, 2,
+                               torch.zeros(12, dtype=torch.int32))
 
 
 def test_step_graph_accept_writes_one_packed_buffer():

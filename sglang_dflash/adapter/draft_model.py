@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Iterable, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
@@ -24,6 +25,7 @@ from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 from sglang_dflash.config import DFlashDraftConfig
+from sglang_dflash.kernels.draft_layers import norm_rope, rms_norm, silu_mul
 from sglang_dflash.model import DFlashDraftModel, check_draft_state, rope_cos_sin
 
 
@@ -54,6 +56,31 @@ class SGLangDFlashDraft(nn.Module):
                 for i in range(c.num_hidden_layers)
             ]
         )
+        self._fuse_weights()
+
+    def _fuse_weights(self) -> None:
+        """Lay the weights out for few launches per layer: q/k/v and gate/up become row slices of one matrix
+        per layer (the core's Linear weights are views into it, so nothing is duplicated), the q/k norm weights a
+        per-head table, and every layer's context K/V projection one matrix [all layers' K ; all layers' V] with
+        its own per-head k-norm table (copies: the context path projects all layers in one GEMM)."""
+        c, layers = self.dcfg, self.core.layers
+        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.qkv_weight, self.gate_up_weight, self.qk_norm_weight = [], [], []
+        for layer in layers:
+            a, mlp = layer.self_attn, layer.mlp
+            self.qkv_weight.append(_fused(a.q_proj, a.k_proj, a.v_proj))
+            self.gate_up_weight.append(_fused(mlp.gate_proj, mlp.up_proj))
+            self.qk_norm_weight.append(torch.cat([a.q_norm.weight.detach().expand(hq, d),
+                                                  a.k_norm.weight.detach().expand(hkv, d)]).contiguous())
+        attns = [layer.self_attn for layer in layers]
+        self.ctx_kv_weight = torch.cat([a.k_proj.weight.detach() for a in attns]
+                                       + [a.v_proj.weight.detach() for a in attns])
+        self.ctx_k_norm_weight = torch.cat([a.k_norm.weight.detach().expand(hkv, d) for a in attns]).contiguous()
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [N] -> (cos, sin) [N, D] in ``dtype`` (one table per forward, shared by every layer)."""
+        cos, sin = rope_cos_sin(positions.long()[None], self.core.inv_freq(positions.device), dtype)
+        return cos[0, :, 0], sin[0, :, 0]
 
     @torch.no_grad()
     def forward(
@@ -65,28 +92,51 @@ class SGLangDFlashDraft(nn.Module):
         get_embedding: bool = False,
         pp_proxy_tensors=None,
     ) -> LogitsProcessorOutput:
-        """input_embeds [N, H] (target embeddings of the block) -> hidden [N, H]."""
+        """input_embeds [N, H] (target embeddings of the block) -> hidden [N, H].
+
+        Per layer: add+RMSNorm, one qkv GEMM, one q/k norm+RoPE launch, attention, o_proj, add+RMSNorm, one
+        gate/up GEMM, SiLU-and-mul, down_proj (the core's math; `sglang_dflash.kernels.draft_layers`)."""
         if input_embeds is None:
             raise ValueError("sglang-dflash draft forward needs input_embeds (the target's embeddings).")
-        h = input_embeds.to(self.core.dtype)
-        rope = rope_cos_sin(positions.long()[None], self.core.inv_freq(h.device), h.dtype)
-        for layer, attn in zip(self.core.layers, self.attn):
-            q, k, v = layer.self_attn.qkv(layer.input_layernorm(h)[None], rope)
-            o = attn(q[0].flatten(1), k[0].flatten(1), v[0].flatten(1), forward_batch)
-            h = h + layer.self_attn.o_proj(o)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return LogitsProcessorOutput(next_token_logits=None, hidden_states=self.core.norm(h))
+        c = self.dcfg
+        n, d = input_embeds.shape[0], c.head_dim
+        q_width, qk_heads = c.num_attention_heads * d, c.num_attention_heads + c.num_key_value_heads
+        x = input_embeds.to(self.core.dtype)
+        cos, sin = self._rope(positions, x.dtype)
+        residual = None
+        for i, (layer, attn) in enumerate(zip(self.core.layers, self.attn)):
+            h, residual = rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps, residual)
+            qkv = F.linear(h, self.qkv_weight[i])
+            norm_rope(qkv[:, : qk_heads * d].view(n, qk_heads, d), self.qk_norm_weight[i], cos, sin,
+                      layer.self_attn.q_norm.eps)
+            q, k, v = qkv.split([q_width, qk_heads * d - q_width, qkv.shape[1] - qk_heads * d], dim=1)
+            o = attn(q, k, v, forward_batch)
+            h, residual = rms_norm(layer.self_attn.o_proj(o), layer.post_attention_layernorm.weight,
+                                   layer.post_attention_layernorm.eps, residual)
+            x = layer.mlp.down_proj(silu_mul(F.linear(h, self.gate_up_weight[i])))
+        hidden, _ = rms_norm(x, self.core.norm.weight, self.core.norm.eps, residual)
+        return LogitsProcessorOutput(next_token_logits=None, hidden_states=hidden)
 
     @torch.no_grad()
     def write_context_kv(
         self, aux_hidden: torch.Tensor, positions: torch.Tensor, cache_loc: torch.Tensor, kv_pool
     ) -> None:
-        """aux_hidden [N, n_ids*H], positions [N], cache_loc [N] -> draft KV at those slots."""
-        if aux_hidden.shape[0] == 0:
+        """aux_hidden [N, n_ids*H], positions [N], cache_loc [N] -> draft KV at those slots: fc + hidden_norm,
+        one GEMM for every layer's K and V, one k-norm+RoPE launch over every layer's K heads."""
+        n = aux_hidden.shape[0]
+        if n == 0:
             return
-        ctx = self.core.project_context(aux_hidden.to(self.core.fc.weight.dtype))
-        for i, (k, v) in enumerate(self.core.context_kv(ctx[None], positions[None].long())):
-            kv_pool.set_kv_buffer(self.attn[i], cache_loc, k[0], v[0])
+        core, c = self.core, self.dcfg
+        hkv, d, layers = c.num_key_value_heads, c.head_dim, c.num_hidden_layers
+        ctx, _ = rms_norm(F.linear(aux_hidden.to(core.fc.weight.dtype), core.fc.weight), core.hidden_norm.weight,
+                          core.hidden_norm.eps)
+        kv = F.linear(ctx, self.ctx_kv_weight)  # [N, 2 * layers * hkv * d]: every layer's K, then every V
+        k = kv[:, : layers * hkv * d].view(n, layers * hkv, d)
+        v = kv[:, layers * hkv * d :].view(n, layers * hkv, d)
+        cos, sin = self._rope(positions, k.dtype)
+        norm_rope(k, self.ctx_k_norm_weight, cos, sin, core.layers[0].self_attn.k_norm.eps)
+        for i, attn in enumerate(self.attn):
+            kv_pool.set_kv_buffer(attn, cache_loc, k[:, i * hkv : (i + 1) * hkv], v[:, i * hkv : (i + 1) * hkv])
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:
         """Load through the core's checks; extra tensors (e.g. rotary caches of some exports) are ignored."""
@@ -94,6 +144,18 @@ class SGLangDFlashDraft(nn.Module):
         state = {k: w for k, w in ((n.removeprefix("model."), w) for n, w in weights) if k in expected}
         check_draft_state(self.core, state, self.config.name_or_path or "draft")
         self.core.load_state_dict(state)
+        self._fuse_weights()
+
+
+def _fused(*linears: nn.Linear) -> torch.Tensor:
+    """The Linears' weights stacked by rows into one matrix; each Linear's weight becomes a view into it."""
+    fused = torch.cat([lin.weight.detach() for lin in linears])
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight.data = fused[start : start + rows]
+        start += rows
+    return fused
 
 
 EntryClass = [SGLangDFlashDraft]

@@ -42,10 +42,6 @@ EXPECTED_SIGNATURES = {
     "sglang.srt.speculative.spec_utils.build_grammar_vocab_mask": ["reqs", "tree", "sampling_info", "device", "barrier"],
     "sglang.srt.speculative.spec_utils.GrammarTree.from_linear_chain": ["verify_ids_2d"],
     # used (not hooked) by the whole-step CUDA graphs (step_graphs)
-    "sglang.srt.layers.attention.flashinfer_backend.fast_prefill_plan": [
-        "self", "qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len", "num_qo_heads",
-        "num_kv_heads", "head_dim_qk", "page_size", "qo_indptr_host", "kv_indptr_host", "kv_lens_host", "max_q_len",
-        "max_kv_len"],
     "sglang.srt.layers.attention.flashinfer_backend.FlashInferAttnBackend.init_forward_metadata_out_graph": [
         "self", "forward_batch", "in_capture"],
 }

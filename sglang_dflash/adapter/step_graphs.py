@@ -8,10 +8,13 @@ phases
     build_block -> draft (+ lm_head, argmax) -> verify -> commit_kv -> greedy accept
 
 are captured together, per batch size, into one graph on static buffers; the graph also writes both
-forwards' FlashInfer paged layout (qo/kv indptr, kv indices) from the committed lengths. A replay copies
-three per-request inputs (bonus tokens, committed lengths, request-pool rows), plans the draft's and the
-target's wrappers on the host from host-known lengths (SGLang's sync-free ``fast_prefill_plan``; needs
-FlashInfer's fa2 prefill backend) and launches the graph.
+forwards' FlashInfer paged layout (qo/kv indptr, kv indices) and their split-kv plans
+(`kernels.attention_plan`: FlashInfer's host planning rule, run on the device) from the committed
+lengths on the device. A replay copies three per-request inputs (bonus tokens, committed lengths,
+request-pool rows) and launches the graph: no host plan and no host copy of the lengths, so under
+SGLang's overlap schedule step N+1 is enqueued while step N still runs (the scheduler's host mirror
+of the committed lengths is switched off, `DFlashWorker.spec_v2_attn_backends`). Needs FlashInfer's
+fa2 prefill backend.
 
 The greedy accept result is used when the batch needs nothing else; otherwise the worker accepts
 eagerly on the verify logits (sampling, penalties, grammars, custom processors, logprobs).
@@ -30,8 +33,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+from triton import next_power_of_2 as triton_next_power_of_2
 
-from sglang.srt.layers.attention.flashinfer_backend import fast_prefill_plan
 from sglang.srt.layers.dp_attention import set_dp_buffer_len, set_is_extend_in_batch
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
@@ -39,6 +42,7 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 from sglang_dflash.adapter.commit_graphs import PADDING_SLOT, padded_rows
 from sglang_dflash.adapter.spec_inputs import DFlashBlockInput, write_block_kv_layout
+from sglang_dflash.kernels.attention_plan import split_kv_plan
 from sglang_dflash.kernels.block_builder import build_block
 
 SEQ_LEN_FILL = 1  # committed length of padded rows (FlashInfer needs kv_len >= 1 per row)
@@ -68,6 +72,39 @@ class _Captured:
         self.outputs, self.packed = outputs, packed
 
 
+class DevicePlan:
+    """Where the split-kv plan of one capture-mode FlashInfer prefill wrapper lives in its int workspace, and the
+    fixed quantities of its captured grid (from the capture-time plan); `write` runs `split_kv_plan` into it."""
+
+    MIN_KV_CHUNK = 128  # FlashInfer's min_kv_chunk_size for page size 1
+
+    def __init__(self, wrapper, bs: int, block_size: int, num_qo_heads: int, num_kv_heads: int, scratch: torch.Tensor):
+        info = list(wrapper._plan_info)
+        if len(info) != 15 or not info[13] or not info[14]:
+            raise RuntimeError(f"sglang-dflash: unexpected FlashInfer prefill plan {info} (expected a CUDA-graph plan "
+                               "with split kv, FlashInfer 0.6.15's layout); the step graph cannot plan on the device")
+        padded, _, _, cta_tile_q, req_off, qtile_off, kvtile_off, merge_off, o_off, chunk_off = info[:10]
+        valid_off = info[12]
+        ws = wrapper._int_workspace_buffer
+
+        def i32(offset: int, n: int) -> torch.Tensor:
+            return ws[offset : offset + 4 * n].view(torch.int32)
+
+        self.bs, self.block_size, self.padded, self.scratch = bs, block_size, int(padded), scratch
+        self.tiles_q = -(-block_size * (num_qo_heads // num_kv_heads) // int(cta_tile_q))
+        sms = torch.cuda.get_device_properties(ws.device).multi_processor_count
+        self.max_batch_size_if_split = 2 * sms // num_kv_heads  # FlashInfer's PrefillPlan budget
+        self.out = dict(request_indices=i32(req_off, self.padded), qo_tile_indices=i32(qtile_off, self.padded),
+                        kv_tile_indices=i32(kvtile_off, self.padded), o_indptr=i32(o_off, bs + 1),
+                        merge_indptr=i32(merge_off, bs * block_size + 1), kv_chunk_size=i32(chunk_off, 1),
+                        block_valid_mask=ws[valid_off : valid_off + self.padded])
+
+    def write(self, seq_lens: torch.Tensor) -> None:
+        """seq_lens ``[bs]`` int64 committed lengths (kv length = seq_lens + block_size) on the device."""
+        split_kv_plan(seq_lens, self.block_size, self.tiles_q, self.max_batch_size_if_split, self.padded,
+                      self.MIN_KV_CHUNK, self.out, self.scratch)
+
+
 class StepGraphs:
     """Whole-step CUDA graphs for ``batch_sizes``; ``worker`` is the DFlashWorker (FlashInfer, CUDA)."""
 
@@ -85,7 +122,7 @@ class StepGraphs:
         self.logits = torch.zeros((max_bs * self.B, worker.target_runner.model_config.vocab_size),
                                   dtype=torch.float, device=dev)
         self.qo_indptr = torch.arange(0, (max_bs + 1) * self.B, self.B, dtype=torch.int32, device=dev)
-        self.qo_indptr_host = self.qo_indptr.cpu()
+        self.plan_scratch = torch.zeros(3 * triton_next_power_of_2(max_bs), dtype=torch.int32, device=dev)
         self.draft_backend = worker.draft_runner.attn_backend
         self.target_backend = worker.target_runner.attn_backend
         self.captured: dict[int, _Captured] = {}
@@ -124,6 +161,10 @@ class StepGraphs:
 
         draft_wrappers = self._prepare_wrappers(self.draft_backend, draft_fb, bs)
         target_wrappers = self._prepare_wrappers(self.target_backend, target_fb, bs)
+        plans = [DevicePlan(wr, bs, B, b.indices_updater_prefill.num_qo_heads, b.indices_updater_prefill.num_kv_heads,
+                            self.plan_scratch)
+                 for b, wrappers in ((self.draft_backend, draft_wrappers), (self.target_backend, target_wrappers))
+                 for wr in wrappers]
 
         req_to_token = w.target_runner.req_to_token_pool.req_to_token
         packed = torch.zeros(bs * (B + 3), dtype=torch.int64, device=dev)
@@ -133,10 +174,12 @@ class StepGraphs:
                                           self.req_pool_indices[:bs], out=(input_ids, positions, loc),
                                           check_values=False)
             slots.view(bs, B).masked_fill_(~self.valid[:bs, None], PADDING_SLOT)
-            for wrapper in (*draft_wrappers, *target_wrappers):  # the attention layout, planned on the host
+            for wrapper in (*draft_wrappers, *target_wrappers):  # the attention layout
                 wrapper._qo_indptr_buf.copy_(self.qo_indptr[: bs + 1])
                 write_block_kv_layout(req_to_token, self.req_pool_indices[:bs], self.seq_lens[:bs], B,
                                       wrapper._paged_kv_indptr_buf, wrapper._paged_kv_indices_buf)
+            for plan in plans:  # and its split-kv plan
+                plan.write(self.seq_lens[:bs])
             set_dp_buffer_len(None, n, False, None)
             set_is_extend_in_batch(False)
             with forward_context(ForwardContext(attn_backend=self.draft_backend)):
@@ -196,31 +239,11 @@ class StepGraphs:
             self.seq_lens[n:m].fill_(SEQ_LEN_FILL)
             self.req_pool_indices[n:m].zero_()
             self.valid[n:m].fill_(False)
-        self.plan(c, batch.seq_lens_cpu, n, m)
         c.graph.replay()
         o = c.outputs
         accept_lens, bonus_tokens, committed, new_seq_lens = unpack(c.packed.clone(), m, self.B)  # one copy
         return StepOutputs(o.draft_tokens[:n], o.logits[: n * self.B], accept_lens[:n], bonus_tokens[:n],
                            committed[:n], new_seq_lens[:n])
-
-    def plan(self, c: _Captured, prefix_lens_cpu: torch.Tensor, n: int, m: int) -> None:
-        """Plan both forwards' attention from host-known lengths (committed prefix + block per request, padded
-        rows SEQ_LEN_FILL + block); the device-side layout is written by the graph itself. Exact lengths: planning
-        from an upper bound (with SGLang's host mirror of the committed lengths off) gave wrong tokens on the H200."""
-        kv_lens = torch.full((m,), SEQ_LEN_FILL + self.B, dtype=torch.int32)
-        kv_lens[:n] = prefix_lens_cpu[:n]
-        kv_lens[:n] += self.B
-        kv_indptr = torch.zeros((m + 1,), dtype=torch.int32)
-        torch.cumsum(kv_lens, dim=0, out=kv_indptr[1:])
-        layout = dict(qo_indptr_host=self.qo_indptr_host[: m + 1], kv_indptr_host=kv_indptr, kv_lens_host=kv_lens,
-                      max_q_len=self.B, max_kv_len=int(kv_lens.max()))
-        for backend, wrappers in ((self.draft_backend, c.draft_wrappers), (self.target_backend, c.target_wrappers)):
-            u = backend.indices_updater_prefill
-            for w in wrappers:
-                # the wrapper's own buffers as sources: fast_prefill_plan's device copies become no-ops
-                fast_prefill_plan(w, w._qo_indptr_buf, w._paged_kv_indptr_buf, w._paged_kv_indices_buf[:0],
-                                  w._paged_kv_last_page_len_buf, u.num_qo_heads, u.num_kv_heads, u.head_dim, 1,
-                                  q_data_type=u.q_data_type, kv_data_type=u.data_type, non_blocking=True, **layout)
 
 
 def unpack(packed: torch.Tensor, bs: int, block_size: int):

@@ -145,7 +145,11 @@ class DFlashWorker(BaseSpecWorker):
     @property
     def spec_v2_attn_backends(self) -> tuple:
         """The backends whose ``needs_cpu_seq_lens`` decides whether SGLang's FutureMap mirrors the committed lengths
-        to the host each step (both forwards plan their attention from them)."""
+        to the host each step (read once, after `init_cuda_graphs`). The step graphs plan attention on the device,
+        so with them there is none: no mirror, and the host enqueues the next step without waiting for this one
+        (a batch larger than every capture reads its lengths itself, `phase_step`)."""
+        if self.step_graphs is not None:
+            return ()
         return (self.target_runner.attn_backend, self.draft_runner.attn_backend)
 
     def alloc_memory_pool(self, memory_pool_config=None, req_to_token_pool=None, token_to_kv_pool_allocator=None):
@@ -217,7 +221,10 @@ class DFlashWorker(BaseSpecWorker):
 
     def phase_step(self, batch, state: DFlashDraftState, t):
         """build_block -> draft -> verify -> accept -> commit_kv, each phase its own launches (the forwards
-        replay SGLang's per-runner graphs where they can)."""
+        replay SGLang's per-runner graphs where they can; both plan attention on the host from the committed
+        lengths, copied here when SGLang did not mirror them)."""
+        if batch.seq_lens_cpu is None:
+            batch.seq_lens_cpu = batch.seq_lens.cpu()
         with t("build_block"):
             block = self.build_block(batch, state)
         with t("draft"):
