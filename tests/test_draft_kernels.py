@@ -154,14 +154,16 @@ def test_silu_mul_kernel_matches_ref(triton_results, dt, n, i):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bfloat16 kernels are compared on a GPU")
 def test_kernels_match_refs_in_bfloat16_on_gpu():
-    """bfloat16 on the device: each result within two bf16 ulps of the ref, and equal for almost all elements."""
+    """bfloat16 on the device: each result within a few bf16 ulps of the ref (for RoPE, of the head's largest value:
+    its outputs are differences of rounded products) and, on average, within half an ulp. (On the H200 about a fifth
+    of the RoPE outputs differ from torch's by an ulp; the norm and SiLU outputs almost never.)"""
     dev, dt = torch.device("cuda"), torch.bfloat16
-    g = torch.Generator().manual_seed(1)
 
-    def close(got, want):
+    def close(got, want, scale=None):
         diff = (got.float() - want.float()).abs()
-        assert bool((diff <= want.float().abs().clamp(min=2**-100) * 2**-6).all()), f"max diff {diff.max()}"
-        assert float((got != want).float().mean()) < 0.01
+        scale = want.float().abs() if scale is None else scale
+        assert bool((diff <= scale * 2**-6).all()), f"max diff {diff.max()}"
+        assert float(diff.mean()) <= float(scale.mean()) * 2**-9, f"mean diff {diff.mean()}"
 
     for n, h in ((1, 576), (37, 576), (300, 4096)):
         x, res, w = (t.to(dev) for t in _norm_inputs(dt, n, h))
@@ -174,7 +176,9 @@ def test_kernels_match_refs_in_bfloat16_on_gpu():
         want = qkv.clone()
         norm_rope_ref(want[:, : (hq + hkv) * d].view(n, hq + hkv, d), w, cos, sin, 1e-6)
         norm_rope(qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d), w, cos, sin, 1e-6)
-        close(qkv, want)
+        heads = want.view(n, hq + 2 * hkv, d).float().abs().amax(-1, keepdim=True).expand(n, hq + 2 * hkv, d)
+        close(qkv, want, heads.reshape(n, -1))
+        assert torch.equal(qkv[:, (hq + hkv) * d :], want[:, (hq + hkv) * d :])
     for n, i in ((16, 1536), (1024, 12288)):
         x = _silu_inputs(dt, n, i).to(dev)
         close(silu_mul(x), silu_mul_ref(x))
