@@ -27,7 +27,14 @@ spawns. Nothing in the package imports it.
    device's current stream, which torch accepts only for CUDA streams ("unknown parameter type"). On CPU there is
    one stream and nothing to record, so a CPU tensor's ``record_stream`` is a no-op here; with it the overlap
    schedule runs on CPU (sglang-dflash allows it with ``SGLANG_DFLASH_CPU_OVERLAP=1``).
+
+5. ``SGLANG_DFLASH_TEST_NO_HOST_LENGTHS=1``: SGLang's overlap scheduler does not mirror the committed lengths to the
+   host (``decide_needs_cpu_seq_lens`` returns False), as for a GPU server whose decode step is one CUDA graph
+   planned on the device (`DFlashWorker.spec_v2_attn_backends`); the CPU step then reads them itself, as a GPU batch
+   larger than every capture does. The scheduler logs ``TEST: no host mirror of committed lengths`` once.
 """
+
+import os
 
 import ctypes
 import sys
@@ -163,3 +170,16 @@ def _record_stream_cpu_noop(self, stream):
 
 
 torch.Tensor.record_stream = _record_stream_cpu_noop
+
+
+# 5. the scheduler's host mirror of the committed lengths off (see the module docstring)
+def _patch_overlap_utils(module) -> None:
+    def decide_needs_cpu_seq_lens(server_args, attn_backends) -> bool:
+        print("TEST: no host mirror of committed lengths", file=sys.stderr, flush=True)
+        return False
+
+    module.decide_needs_cpu_seq_lens = decide_needs_cpu_seq_lens
+
+
+if os.environ.get("SGLANG_DFLASH_TEST_NO_HOST_LENGTHS") == "1":
+    sys.meta_path.insert(0, _PatchAfterImport("sglang.srt.managers.overlap_utils", _patch_overlap_utils))
