@@ -180,10 +180,10 @@ class DFlashWorker(BaseSpecWorker):
     # ---- the step ---------------------------------------------------------------------
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None) -> GenerationBatchResult:
         """One forward of ``batch``. Under SGLang's overlap schedule ``on_publish(new_seq_lens)`` hands the
-        committed lengths to the scheduler's FutureMap once the step is enqueued (the scheduler waits for them on
-        the device before it plans the next step); ``grammar_barrier`` is unused: batches with a grammar, or whose
-        logits depend on the output so far, run with the previous step's result applied
-        (`hooks._sync_for_history`)."""
+        committed lengths to the scheduler's FutureMap once the step is enqueued (the next step reads them on the
+        device; the host copies them only without step graphs, `spec_v2_attn_backends`); ``grammar_barrier`` is
+        unused: batches with a grammar, or whose logits depend on the output so far, run with the previous step's
+        result applied (`hooks._sync_for_history`)."""
         kind = _call_kind(batch)
         mark = self.timeline.begin(kind)
         result = self.step(batch, kind)
