@@ -61,7 +61,7 @@ class StepOutputs:
 
 
 class _Captured:
-    """One batch size: its graph, its wrappers (planned before a replay), its outputs, the two ForwardBatches of
+    """One batch size: its graph, its wrappers (planned inside it, `DevicePlan`), its outputs, the two ForwardBatches of
     the capture, which hold the static block tensors the graph reads and writes, and ``packed``, the one int64
     buffer the greedy accept writes (`unpack`; a replay copies it out in one launch)."""
 
