@@ -1,8 +1,10 @@
 """The DFlash draft model as an SGLang model class, run by a draft `ModelRunner`.
 
-Weights, projections, norms, RoPE and MLP are the core `DFlashDraftModel`; this class
-only routes each layer's attention through SGLang's `RadixAttention`, whose KV pool
-is indexed by the same token slots as the target's. Two entry points:
+Weights and math are the core `DFlashDraftModel`'s; this class routes each layer's attention
+through SGLang's `RadixAttention`, whose KV pool is indexed by the same token slots as the
+target's, and runs the rest in few launches: fused q/k/v and gate/up GEMMs (the core's Linear
+weights are views into them) and the fused ops of `sglang_dflash.kernels.draft_layers`. The
+fused tables are built when the weights are loaded, on their device. Two entry points:
 
 * `forward(...)`: one block per request (TARGET_VERIFY-shaped batch). Block K/V are
   written at the verify slots; queries attend to [context ; block] with no causal
