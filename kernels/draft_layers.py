@@ -3,9 +3,9 @@ and SiLU-and-mul.
 
 In torch each is a chain of small kernels (an RMSNorm in float32 is seven; a per-head norm followed by
 neox RoPE is twelve); at serving batch sizes the draft forward is launch-bound, so each becomes one
-launch here. The refs spell out the exact math of `sglang_dflash.model` (statistics in float32, the
-norm rounded to the input dtype before the weight multiplies, RoPE products rounded like torch's
-elementwise ops), so the kernels differ from the core model only in the order of a float32 sum.
+launch here. The refs are `sglang_dflash.model`'s own ops (statistics in float32, the norm rounded
+to the input dtype before the weight multiplies, RoPE products rounded like torch's elementwise
+ops), so the kernels differ from the core model only in the order of a float32 sum.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from sglang_dflash import model as core
 from sglang_dflash.kernels import use_triton
 
 __all__ = ["rms_norm_ref", "rms_norm", "norm_rope_ref", "norm_rope", "silu_mul_ref", "silu_mul"]
@@ -26,13 +27,6 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 # ---------------------------------------------------------------- refs (the spec and the CPU path)
 
-def _norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` over the last dim, statistics in float32."""
-    dtype = x.dtype
-    xf = x.to(torch.float32)
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
-
-
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x ``[N, H]``, weight ``[H]``, residual ``[N, H]`` or None -> (normed ``[N, H]``, new residual ``[N, H]``).
@@ -41,7 +35,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     of the new residual.
     """
     h = x if residual is None else residual + x
-    return _norm_ref(h, weight, eps).to(x.dtype), h
+    return core.rms_norm(h, weight, eps).to(x.dtype), h
 
 
 def norm_rope_ref(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -49,10 +43,8 @@ def norm_rope_ref(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin:
     """Per-head RMSNorm, then neox RoPE, in place. x ``[N, heads, D]`` (last dim contiguous), weight
     ``[heads, D]`` (row h normalizes head h), cos/sin ``[N, D]`` in x's dtype (`model.rope_cos_sin`).
     Returns x."""
-    y = _norm_ref(x, weight, eps).to(x.dtype)
-    c, s = cos[:, None, :], sin[:, None, :]
-    y1, y2 = y.chunk(2, dim=-1)
-    x.copy_(y * c + torch.cat((-y2, y1), dim=-1) * s)
+    y = core.rms_norm(x, weight, eps).to(x.dtype)
+    x.copy_(core.apply_rope(y, (cos[:, None, :], sin[:, None, :])))
     return x
 
 

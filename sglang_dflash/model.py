@@ -37,8 +37,16 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3 RMSNorm over the last dim: statistics in float32 (for half types), the normalized x rounded to x's
+    dtype before ``weight`` (broadcast against x, e.g. ``[D]`` or one row per layer) multiplies it."""
+    dtype = x.dtype
+    xf = x.to(torch.float32) if dtype in (torch.float16, torch.bfloat16) else x
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+
+
 class RMSNorm(nn.Module):
-    """Qwen3 RMSNorm over the last dim (statistics in float32, output in the input dtype)."""
+    """Qwen3 RMSNorm over the last dim (`rms_norm`)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -46,10 +54,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.to(torch.float32) if dtype in (torch.float16, torch.bfloat16) else x
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: DFlashDraftConfig) -> torch.Tensor:
@@ -208,9 +213,7 @@ class DFlashDraftModel(nn.Module):
         weight = torch.cat([w for a in attns for w in (a.k_proj.weight, a.v_proj.weight)])  # [n*2*hkv*d, H]
         kv = F.linear(ctx, weight).view(*ctx.shape[:-1], n, 2, hkv, d)
         k, v = kv[..., 0, :, :], kv[..., 1, :, :]  # [b, C, n, hkv, d]
-        kf = k.to(torch.float32) if k.dtype in (torch.float16, torch.bfloat16) else k
-        kf = kf * torch.rsqrt(kf.pow(2).mean(-1, keepdim=True) + attns[0].k_norm.eps)
-        k = torch.stack([a.k_norm.weight for a in attns])[:, None, :] * kf.to(k.dtype)
+        k = rms_norm(k, torch.stack([a.k_norm.weight for a in attns])[:, None, :], attns[0].k_norm.eps)
         k = apply_rope(k.flatten(2, 3), rope_cos_sin(positions, self.inv_freq(ctx.device), k.dtype)).view_as(v)
         return [(k[:, :, i], v[:, :, i]) for i in range(n)]
 
