@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -21,6 +23,15 @@ TINY_MASK_ID = TINY_VOCAB - 1
 # on the first TAU_PROMPTS_PER_SET prompts of each set.
 TAU_PROMPTS_PER_SET = 3
 TAU_NEW_TOKENS = 128
+
+
+def interpreted_results(test_file: str, out_path) -> dict:
+    """Run ``python test_file out_path`` with ``TRITON_INTERPRET=1`` (the variable is read when ``@triton.jit``
+    decorates a kernel, so the kernel tests launch their Triton runs in one fresh process) and load what it saved."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, test_file, str(out_path)], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, f"TRITON_INTERPRET=1 worker failed:\n{proc.stdout}\n{proc.stderr}"
+    return torch.load(out_path)
 
 
 def make_tiny_target(family: str = "qwen3", seed: int = 0, **overrides):

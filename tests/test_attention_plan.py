@@ -5,12 +5,12 @@ host plan (the int workspace it writes) and as the plan of a captured attention 
 
 import os
 import random
-import subprocess
 import sys
 
 import pytest
 import torch
 
+from conftest import interpreted_results
 from sglang_dflash.kernels.attention_plan import split_kv_plan, split_kv_plan_ref
 
 KEYS = ("request_indices", "qo_tile_indices", "kv_tile_indices", "o_indptr", "merge_indptr", "kv_chunk_size",
@@ -56,11 +56,7 @@ def _worker(out_path):
 
 @pytest.fixture(scope="module")
 def triton_results(tmp_path_factory):
-    out_path = tmp_path_factory.mktemp("triton") / "plan.pt"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__, str(out_path)], env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, f"TRITON_INTERPRET=1 worker failed:\n{proc.stdout}\n{proc.stderr}"
-    return torch.load(out_path)
+    return interpreted_results(__file__, tmp_path_factory.mktemp("triton") / "plan.pt")
 
 
 @pytest.mark.parametrize("case, bs, block, tiles_q, budget, padded, lens", list(_cases()))

@@ -7,13 +7,13 @@ the interpreter rounds bfloat16 differently from torch, so bfloat16 is compared 
 """
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import interpreted_results, make_draft_config
 from sglang_dflash.kernels import draft_layers as dl
 from sglang_dflash.kernels import norm_rope, norm_rope_ref, rms_norm, rms_norm_ref, silu_mul, silu_mul_ref
 from sglang_dflash.model import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
@@ -104,11 +104,7 @@ def _worker(out_path):
 
 @pytest.fixture(scope="module")
 def triton_results(tmp_path_factory):
-    out_path = tmp_path_factory.mktemp("triton") / "results.pt"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__, str(out_path)], env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, f"TRITON_INTERPRET=1 worker failed:\n{proc.stdout}\n{proc.stderr}"
-    return torch.load(out_path)
+    return interpreted_results(__file__, tmp_path_factory.mktemp("triton") / "results.pt")
 
 
 def _close(got, want, dt):
@@ -281,8 +277,6 @@ class _KVPool:
 def test_sglang_draft_fused_forward_and_context_kv_equal_the_core(tiny_qwen3):
     from sglang_dflash.adapter.draft_model import SGLangDFlashDraft
     from sglang_dflash.model import DFlashDraftModel
-
-    from conftest import make_draft_config
 
     cfg = make_draft_config(tiny_qwen3.config, num_hidden_layers=3)
     torch.manual_seed(3)

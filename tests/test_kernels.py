@@ -8,12 +8,12 @@ Output buffers are poisoned before each run; ``req_to_token`` is read only and c
 """
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
+from conftest import interpreted_results
 from sglang_dflash.kernels import accept as accept_mod
 from sglang_dflash.kernels import accept_ref, accept_tokens, build_block, build_block_ref, use_triton
 from sglang_dflash.kernels import block_builder as block_mod
@@ -127,11 +127,7 @@ def _worker(out_path):
 
 @pytest.fixture(scope="module")
 def triton_results(tmp_path_factory):
-    out_path = tmp_path_factory.mktemp("triton") / "results.pt"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__, str(out_path)], env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, f"TRITON_INTERPRET=1 worker failed:\n{proc.stdout}\n{proc.stderr}"
-    return torch.load(out_path)
+    return interpreted_results(__file__, tmp_path_factory.mktemp("triton") / "results.pt")
 
 
 def test_triton_path_was_taken(triton_results):
