@@ -45,6 +45,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sglang_dflash import compare
+from sglang_dflash.eval import server_tau
 
 REPO = Path(__file__).resolve().parent.parent
 # Servers share one GPU and start together: every one sees the whole card free at start, so the KV pool is
@@ -229,7 +230,8 @@ def check_identical(servers: list[Server], prompts_ids: list[list[int]], max_new
     """Greedy replies of every server to every prompt against the first server's (the reference, with top
     logprobs): per server the prompts whose reply differs, and of those the ones that part at a near-tie of the
     reference (sglang_dflash.compare: bf16 rounding, not an error); ``identical`` means no difference at all,
-    ``identical_up_to_near_ties`` no other difference."""
+    ``identical_up_to_near_ties`` no other difference; ``tau`` per speculative server, per step and per request
+    (z-lab's definition), from these replies (sglang_dflash.eval.server_tau)."""
     outs = {}
     for k, s in enumerate(servers):
         with cf.ThreadPoolExecutor(16) as ex:
@@ -240,9 +242,12 @@ def check_identical(servers: list[Server], prompts_ids: list[list[int]], max_new
         mismatches[s.name] = [i for i, (a, b) in enumerate(zip(ref, outs[s.name])) if a["output_ids"] != b["output_ids"]]
         near_ties[s.name] = [i for i in mismatches[s.name] if compare.near_tie_parting(
             ref[i]["output_ids"], outs[s.name][i]["output_ids"], compare.sglang_top(ref[i])) is not None]
+    taus = {s.name: server_tau([o["meta_info"] for o in outs[s.name]]) for s in servers
+            if any(o["meta_info"].get("spec_verify_ct") for o in outs[s.name])}
     return {"reference": servers[0].name, "num_prompts": len(prompts_ids), "mismatched_prompt_indices": mismatches,
             "near_tie_prompt_indices": near_ties, "identical": all(not v for v in mismatches.values()),
-            "identical_up_to_near_ties": all(len(near_ties[n]) == len(v) for n, v in mismatches.items())}
+            "identical_up_to_near_ties": all(len(near_ties[n]) == len(v) for n, v in mismatches.items()),
+            "tau": taus}
 
 
 # ---- kernel profile -----------------------------------------------------------------------
@@ -544,6 +549,10 @@ def print_table(results) -> None:
               f"us per step: {cats}")
     print("identity at T=0 (exact / up to bf16 near-ties):",
           {w: (v["identical"], v["identical_up_to_near_ties"]) for w, v in results["identity"].items()})
+    for w, v in results["identity"].items():
+        for name, tau in v.get("tau", {}).items():
+            print(f"tau {w} {name} (identity prompts, T=0): per step {tau['tau']:.3f}, "
+                  f"per request (z-lab) {tau['tau_per_request']:.3f}")
 
 
 def plot(results, path: Path) -> None:

@@ -10,6 +10,11 @@ config plus the DFlash fields::
 
 and safetensors weights ``layers.*``, ``norm``, ``fc``, ``hidden_norm`` (no embeddings / lm_head: the
 draft borrows the target's). This module is torch-free.
+
+Every key z-lab's reference model (``dflash/model.py``) reads is honoured: the ``dflash_config`` keys in
+``DFLASH_CONFIG_KEYS`` (each also accepted at the top level, where z-lab looks next), ``layer_types`` /
+``sliding_window`` / ``is_causal`` (per-layer attention, :meth:`DFlashDraftConfig.layer_attention`), and the
+Qwen3 fields. Keys of other drafter families (DFlash2's convolutions and candidate selector) are refused.
 """
 
 from __future__ import annotations
@@ -26,6 +31,11 @@ MAX_BLOCK_SIZE = 64
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
 LAYER_TYPES = ("full_attention", "sliding_attention")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# dflash_config keys z-lab's DFlashDraftModel reads (z-lab: dflash_config first, then the top-level config).
+DFLASH_CONFIG_KEYS = ("target_layer_ids", "mask_token_id", "block_size", "num_target_layers",
+                      "input_embedding_scale", "output_multiplier", "final_logit_softcapping")
+# Keys that belong to z-lab's DFlash2 drafters (grouped causal convolutions, candidate selector): not served.
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 class DFlashConfigError(ValueError):
@@ -132,6 +142,10 @@ class DFlashDraftConfig:
     max_position_embeddings: int = 40960
     layer_types: Optional[list[str]] = None  # None -> all "full_attention"
     sliding_window: Optional[int] = None
+    is_causal: Optional[bool] = None  # None -> sliding layers causal, full layers bidirectional (layer_attention)
+    input_embedding_scale: float = 1.0  # block embeddings are the target's raw embeddings times this
+    output_multiplier: float = 1.0  # draft logits = lm_head(hidden) * this, then the soft cap
+    final_logit_softcapping: Optional[float] = None  # > 0: draft logits = cap * tanh(logits / cap)
     attention_bias: bool = False
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
@@ -191,6 +205,18 @@ class DFlashDraftConfig:
                 f"layer_types contains 'sliding_attention' but sliding_window={self.sliding_window}; "
                 "set sliding_window to a positive integer."
             )
+        if self.is_causal is not None and not isinstance(self.is_causal, bool):
+            raise err(f"is_causal={self.is_causal!r} must be true, false or absent; fix it in config.json.")
+        if not self.input_embedding_scale > 0 or not self.output_multiplier > 0:
+            raise err(
+                f"dflash_config.input_embedding_scale={self.input_embedding_scale} and output_multiplier="
+                f"{self.output_multiplier} must be positive numbers; fix them in config.json."
+            )
+        if self.final_logit_softcapping is not None and self.final_logit_softcapping < 0:
+            raise err(
+                f"dflash_config.final_logit_softcapping={self.final_logit_softcapping} must be positive (or null "
+                "for none); fix it in config.json."
+            )
         if self.hidden_act != "silu":
             raise err(f"hidden_act={self.hidden_act!r} is not supported; DFlash drafts use 'silu'.")
         if self.attention_bias:
@@ -207,6 +233,17 @@ class DFlashDraftConfig:
         if not self.rope_scaling:
             return "default"
         return self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+
+    def layer_attention(self, layer_id: int) -> tuple[bool, Optional[int]]:
+        """(causal, window) of draft layer ``layer_id``, as z-lab's reference defines them.
+
+        causal: ``is_causal`` when the config sets it (for every layer), else True exactly for sliding layers.
+        window: ``sliding_window`` for sliding layers, else None. A block query at position p sees a key at
+        position k iff ``k <= p`` (causal layers only) and ``p - k < window`` (sliding layers; a non-causal
+        sliding layer also needs ``k - p < window``); positions are absolute, context and block alike."""
+        sliding = self.layer_types[layer_id] == "sliding_attention"
+        causal = sliding if self.is_causal is None else self.is_causal
+        return causal, (self.sliding_window if sliding else None)
 
     @property
     def context_feature_size(self) -> int:
@@ -231,15 +268,32 @@ class DFlashDraftConfig:
                 "z-lab style DFlash checkpoint (not the target model)."
             )
         dcfg = d.get("dflash_config") or {}
-        if "mask_token_id" not in dcfg:
+        foreign = sorted(k for k in DFLASH2_KEYS if k in dcfg or k in d)
+        if foreign:
+            raise err(
+                f"config.json sets {foreign}, keys of z-lab's DFlash2 drafters (causal convolutions and a candidate "
+                "selector), which sglang-dflash does not serve; use a DFlashDraftModel checkpoint."
+            )
+        unknown = sorted(set(dcfg) - set(DFLASH_CONFIG_KEYS))
+        if unknown:
+            raise err(
+                f"dflash_config has keys {unknown} that sglang-dflash does not know (it knows "
+                f"{list(DFLASH_CONFIG_KEYS)}); a drafter whose semantics depend on them cannot be served exactly. "
+                "Remove them if they are inert, or use a drafter without them."
+            )
+
+        def value(key, default=None):  # z-lab's lookup: dflash_config, then the top level
+            return dcfg.get(key, d.get(key, default))
+
+        if value("mask_token_id") is None:
             raise err(
                 "config.json lacks dflash_config.mask_token_id; add it (the id of the mask token in the target "
                 "vocabulary)."
             )
-        num_target_layers = dcfg.get("num_target_layers", d.get("num_target_layers"))
+        num_target_layers = value("num_target_layers")
         if num_target_layers is None:
             raise err("config.json lacks num_target_layers; set it to the number of layers of the target model.")
-        block_size = dcfg.get("block_size", d.get("block_size"))
+        block_size = value("block_size")
         if block_size is None:
             raise err(f"config.json lacks block_size; set it to an integer in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}].")
         missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -247,7 +301,7 @@ class DFlashDraftConfig:
         if missing:
             raise err(f"config.json lacks required fields {missing}; write a complete Qwen3-style config.")
         rope_theta, rope_scaling = _rope_from_dict(d)
-        known = {f for f in cls.__dataclass_fields__} | {
+        known = {f for f in cls.__dataclass_fields__} - {"extra"} | {
             "architectures", "model_type", "dflash_config", "rope_parameters", "dtype", "use_sliding_window",
             "max_window_layers", "transformers_version", "attention_dropout", "use_cache",
         }
@@ -260,9 +314,9 @@ class DFlashDraftConfig:
             num_key_value_heads=int(d.get("num_key_value_heads", d["num_attention_heads"])),
             vocab_size=int(d["vocab_size"]),
             num_target_layers=int(num_target_layers),
-            mask_token_id=int(dcfg["mask_token_id"]),
+            mask_token_id=int(value("mask_token_id")),
             block_size=int(block_size),
-            target_layer_ids=dcfg.get("target_layer_ids", d.get("target_layer_ids")),
+            target_layer_ids=value("target_layer_ids"),
             head_dim=d.get("head_dim"),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
@@ -270,6 +324,11 @@ class DFlashDraftConfig:
             max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
             layer_types=list(layer_types) if layer_types is not None else None,
             sliding_window=d.get("sliding_window"),
+            is_causal=d.get("is_causal"),
+            input_embedding_scale=float(value("input_embedding_scale", 1.0)),
+            output_multiplier=float(value("output_multiplier", 1.0)),
+            final_logit_softcapping=(None if value("final_logit_softcapping") is None
+                                     else float(value("final_logit_softcapping"))),
             attention_bias=bool(d.get("attention_bias", False)),
             hidden_act=d.get("hidden_act", "silu"),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
@@ -357,6 +416,12 @@ class DFlashDraftConfig:
             num_target_layers=self.num_target_layers,
             dflash_config={"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id},
         )
+        if self.is_causal is not None:
+            d["is_causal"] = self.is_causal
+        for key, default in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0),
+                             ("final_logit_softcapping", None)):
+            if getattr(self, key) != default:
+                d["dflash_config"][key] = getattr(self, key)
         return d
 
     def save_pretrained(self, path: str | os.PathLike) -> None:

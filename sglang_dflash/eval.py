@@ -1,7 +1,11 @@
 """Acceptance-length evaluation of a DFlash drafter with the reference engine :class:`sglang_dflash.hf.DFlashLM`.
 
-tau = mean over (request, verify step) of ``accept_len + 1``: tokens committed per target verify forward,
-bonus token included.
+Two tau figures, labelled apart everywhere:
+
+* ``tau`` (per step): mean over every (request, verify step) of ``accept_len + 1``, tokens committed per target
+  verify forward, bonus included (`tau_per_step`);
+* ``tau_per_request`` (z-lab's benchmark, how published tau figures are computed): for each request the mean of
+  the tokens its output gained per verify step, then the mean over requests (`tau_per_request`).
 
 CLI::
 
@@ -22,6 +26,28 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .data import EVAL_DATASETS, apply_chat, eval_prompts, load_prompt_file
+
+
+def tau_per_step(steps: Sequence[Sequence[int]]) -> float:
+    """Mean over every (request, step) of ``steps[request][step]`` (tokens per verify step); 0.0 if none."""
+    flat = [n for row in steps for n in row]
+    return sum(flat) / len(flat) if flat else 0.0
+
+
+def tau_per_request(steps: Sequence[Sequence[int]]) -> float:
+    """z-lab's tau: the mean over requests (with at least one step) of each request's mean tokens per step."""
+    means = [sum(row) / len(row) for row in steps if row]
+    return sum(means) / len(means) if means else 0.0
+
+
+def server_tau(meta_infos: Sequence[dict]) -> dict:
+    """Both tau figures from SGLang replies' ``meta_info`` (``completion_tokens``, ``spec_verify_ct``): a request's
+    decode steps produced ``completion_tokens - 1`` tokens (the first comes from the prefill). Returns
+    ``{"tau": per step, "tau_per_request": z-lab's}``."""
+    rows = [(m["completion_tokens"] - 1, m["spec_verify_ct"]) for m in meta_infos if m.get("spec_verify_ct")]
+    steps = sum(n for _, n in rows)
+    return {"tau": sum(t for t, _ in rows) / steps if steps else 0.0,
+            "tau_per_request": sum(t / n for t, n in rows) / len(rows) if rows else 0.0}
 
 
 def dataset_prompts(name: str, num_prompts: Optional[int], tokenizer, prompts_dir: Optional[str] = None) -> list[str]:
@@ -52,7 +78,8 @@ def evaluate(
 ) -> list[dict]:
     """tau for every (dataset, block size, temperature). ``target``/``draft`` are loaded models on one device.
 
-    Each row: dataset, block_size, temperature, tau, num_prompts, num_verify_steps (request-steps), new_tokens,
+    Each row: dataset, block_size, temperature, tau (per step), tau_per_request (z-lab's), num_prompts,
+    num_verify_steps (request-steps), new_tokens,
     accept_hist (counts of accept_len = 0..B-1), seconds. ``on_row(rows_so_far)`` is called after each row.
     """
     from .hf import DFlashLM
@@ -68,22 +95,27 @@ def evaluate(
             for name in datasets:
                 t0 = time.perf_counter()
                 accept_lens: list[int] = []
+                committed: list[list[int]] = []
                 new_tokens = 0
                 for start in range(0, len(prompts[name]), batch_size):
                     out = lm.generate(prompts[name][start:start + batch_size], max_new_tokens=max_new_tokens,
                                       temperature=float(temp), seed=seed + start)
                     accept_lens.extend(a for row in out.accept_lens for a in row)
+                    committed.extend(out.committed)
                     new_tokens += out.num_new_tokens
-                tau = sum(a + 1 for a in accept_lens) / len(accept_lens) if accept_lens else 0.0
+                tau = tau_per_step([[a + 1 for a in accept_lens]])
+                tau_req = tau_per_request(committed)
                 hist = torch.bincount(torch.tensor(accept_lens, dtype=torch.long), minlength=block_size).tolist()
                 row = dict(dataset=name, block_size=block_size, temperature=float(temp), tau=round(tau, 4),
+                           tau_per_request=round(tau_req, 4),
                            num_prompts=len(prompts[name]), num_verify_steps=len(accept_lens), new_tokens=new_tokens,
                            accept_hist=hist, seconds=round(time.perf_counter() - t0, 2))
                 rows.append(row)
                 if on_row is not None:
                     on_row(rows)
                 if progress:
-                    print(f"[eval] {name:10s} block={block_size:2d} temp={temp:g} tau={tau:.3f} "
+                    print(f"[eval] {name:10s} block={block_size:2d} temp={temp:g} tau per step={tau:.3f} "
+                          f"per request (z-lab)={tau_req:.3f} "
                           f"steps={len(accept_lens)} tokens={new_tokens} ({row['seconds']}s)", flush=True)
     return rows
 
@@ -158,7 +190,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                     a.batch_size, a.seed, a.prompts_dir, on_row=write)
     if a.plot:
         plot(rows, a.plot, title=f"DFlash tau: {Path(str(draft_path)).name}")
-    print(json.dumps([{k: r[k] for k in ("dataset", "block_size", "temperature", "tau")} for r in rows]))
+    print(json.dumps([{k: r[k] for k in ("dataset", "block_size", "temperature", "tau", "tau_per_request")} for r in rows]))
 
 
 if __name__ == "__main__":

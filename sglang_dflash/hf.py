@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 from .config import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
-from .model import DFlashDraftModel, DraftKVCache, load_draft
+from .model import DFlashDraftModel, DraftKVCache, draft_logits, load_draft
 from .verify import accept, greedy_predictions, sample_predictions, target_probs
 
 Prompts = Union[Sequence[Sequence[int]], torch.Tensor]
@@ -36,12 +37,16 @@ class DFlashOutput:
 
     ``sequences[i]``: new tokens of row i (stop token included, like HF ``generate``).
     ``accept_lens[i]``: accepted draft tokens per verify step of row i (0..B-1; empty for the baseline).
+    ``committed[i]``: tokens row i's output gained per verify step (``accept_len + 1`` cut at max_new_tokens / the
+    first stop: z-lab's per-step acceptance length).
     ``mean_accept_length``: tau = mean over (row, step) of ``accept_len + 1`` (tokens committed per verify step
-    incl. the bonus, before max_new_tokens/stop truncation); 0.0 when no verify step ran.
+    incl. the bonus, before max_new_tokens/stop truncation); 0.0 when no verify step ran. z-lab's per-request
+    figure: ``sglang_dflash.eval.tau_per_request(committed)``.
     """
 
     sequences: list[list[int]]
     accept_lens: list[list[int]] = field(default_factory=list)
+    committed: list[list[int]] = field(default_factory=list)
     num_verify_steps: int = 0
     mean_accept_length: float = 0.0
     ttft_s: float = 0.0
@@ -266,6 +271,7 @@ class DFlashLM:
         device, bsz, B = batch.device, len(prompts), self.block_size
         sampler = _Sampler(bsz, device, temperature, top_p, top_k, min_p, seed)
         accept_log: list[list[int]] = [[] for _ in prompts]
+        committed_log: list[list[int]] = [[] for _ in prompts]
         steps = 0
         _sync(device)
         start = time.perf_counter()
@@ -297,8 +303,9 @@ class DFlashLM:
             block[:, 0] = last
             positions = batch.seq_lens[:, None] + offsets
             kvs, mask = dcache.views(B)
-            hidden = self.draft(self.embed(block), positions, kvs, mask)
-            block[:, 1:] = self.lm_head(hidden[:, 1:].to(self.lm_head.weight.dtype)).argmax(-1)
+            hidden = self.draft(F.embedding(block, self.embed.weight), positions, kvs, mask)
+            logits = self.lm_head(hidden[:, 1:].to(self.lm_head.weight.dtype))
+            block[:, 1:] = draft_logits(self.draft.cfg, logits).argmax(-1)
             # verify: one target forward over the block
             out = batch.forward(block, positions, hidden=True)
             target_tokens = sampler.target_tokens(block, out.logits)
@@ -309,16 +316,20 @@ class DFlashLM:
             steps += 1
             committed = target_tokens.tolist()  # d_1..d_acc == target_tokens[:acc]; bonus = target_tokens[acc]
             keep_list = n_keep.tolist()
-            for row, n in zip(batch.rows.tolist(), keep_list):
-                accept_log[row].append(n - 1)
+            rows = batch.rows.tolist()
+            before = [len(batch.outputs[row]) for row in rows]
             running = batch.commit([c[:n] for c, n in zip(committed, keep_list)])
+            for row, n, had in zip(rows, keep_list, before):
+                accept_log[row].append(n - 1)
+                committed_log[row].append(len(batch.outputs[row]) - had)
             last = bonus
 
         _sync(device)
         total = time.perf_counter() - start
         n_steps = sum(len(a) for a in accept_log)
         tau = sum(a + 1 for log in accept_log for a in log) / n_steps if n_steps else 0.0
-        return DFlashOutput(sequences=batch.outputs, accept_lens=accept_log, num_verify_steps=steps,
+        return DFlashOutput(sequences=batch.outputs, accept_lens=accept_log, committed=committed_log,
+                            num_verify_steps=steps,
                             mean_accept_length=tau, ttft_s=ttft, total_time_s=total)
 
     def target_generate_baseline(self, input_ids: Prompts, max_new_tokens: int, **kwargs) -> DFlashOutput:

@@ -9,9 +9,13 @@ Semantics (same as ``sglang/srt/models/dflash.py``):
   ``hidden_norm`` = ctx ``[b, C, H]``;
 * every draft layer turns ctx into K/V with its own ``k_proj``/``v_proj`` (no input_layernorm), ``k_norm``
   per head, RoPE at the context token's position; these K/V are what a context KV cache stores;
-* the block stream runs pre-norm Qwen3 layers whose attention sees ``[context ; block]`` keys with no causal
-  mask inside the block (sliding-window layers: a query at position p sees keys at positions > p - window);
-* final ``norm``; logits come from the target's lm_head (not part of this module).
+* the block stream (the target's raw embeddings of ``[last token, MASK, ...]`` times ``input_embedding_scale``)
+  runs pre-norm Qwen3 layers whose attention sees ``[context ; block]`` keys; what a layer sees is z-lab's rule
+  (`DFlashDraftConfig.layer_attention`, `attention_mask`): full-attention layers see the whole block, sliding
+  layers are causal inside the block with their window over context and block (``is_causal`` overrides the
+  causal part for every layer);
+* final ``norm``; logits come from the target's lm_head, then `draft_logits` (``output_multiplier``,
+  ``final_logit_softcapping``).
 """
 
 from __future__ import annotations
@@ -57,6 +61,33 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: Optional[int]) -> torch.Tensor:
+    """z-lab's per-layer visibility. q_pos ``[b, Q]``, k_pos ``[b, K]`` absolute positions -> bool ``[b, Q, K]``
+    (True = may attend): ``k <= q`` if causal; ``q - k < window`` with a window (and ``k - q < window`` when not
+    causal)."""
+    q, k = q_pos[:, :, None], k_pos[:, None, :]
+    visible = torch.ones(torch.broadcast_shapes(q.shape, k.shape), dtype=torch.bool, device=q_pos.device)
+    if causal:
+        visible &= k <= q
+    if window is not None:
+        visible &= q - k < window
+        if not causal:
+            visible &= k - q < window
+    return visible
+
+
+def draft_logits(cfg: DFlashDraftConfig, logits: torch.Tensor) -> torch.Tensor:
+    """The draft's logits from the target lm_head's output on draft hidden states: times ``output_multiplier``,
+    then ``cap * tanh(logits / cap)`` with ``final_logit_softcapping`` (z-lab's ``compute_logits``). Identity for
+    the defaults."""
+    if cfg.output_multiplier != 1.0:
+        logits = logits * cfg.output_multiplier
+    cap = cfg.final_logit_softcapping
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
 def rope_inv_freq(cfg: DFlashDraftConfig) -> torch.Tensor:
     """Inverse RoPE frequencies ``[D/2]`` (float32) for rope types default / linear / llama3."""
     d = cfg.head_dim
@@ -93,11 +124,11 @@ def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
 
 
 class DFlashAttention(nn.Module):
-    def __init__(self, cfg: DFlashDraftConfig, sliding_window: Optional[int]):
+    def __init__(self, cfg: DFlashDraftConfig, layer_id: int):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
-        self.sliding_window = sliding_window
+        self.causal, self.sliding_window = cfg.layer_attention(layer_id)
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
@@ -153,8 +184,7 @@ class DFlashMLP(nn.Module):
 class DFlashDecoderLayer(nn.Module):
     def __init__(self, cfg: DFlashDraftConfig, layer_id: int):
         super().__init__()
-        sliding = cfg.sliding_window if cfg.layer_types[layer_id] == "sliding_attention" else None
-        self.self_attn = DFlashAttention(cfg, sliding)
+        self.self_attn = DFlashAttention(cfg, layer_id)
         self.mlp = DFlashMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -227,29 +257,33 @@ class DFlashDraftModel(nn.Module):
     ) -> torch.Tensor:
         """Draft hidden states of a block (after the final norm).
 
-        block_embeds ``[b, Q, H]`` (target embeddings of ``[last token, MASK, ...]``), block_positions ``[b, Q]``,
-        ctx_kv per layer ``[b, C, Hkv, D]``, attn_mask bool ``[b, Q, C+Q]`` (True = may attend; None = all
-        context and block keys). ctx_positions ``[b, C]`` only matter for sliding-window layers; default: the
-        context key in slot j sits at position j (a cache filled from position 0). Returns ``[b, Q, H]``.
+        block_embeds ``[b, Q, H]`` (the target's raw embeddings of ``[last token, MASK, ...]``; scaled here by
+        ``input_embedding_scale``), block_positions ``[b, Q]``, ctx_kv per layer ``[b, C, Hkv, D]``, attn_mask bool
+        ``[b, Q, C+Q]`` (True = may attend; None = all context and block keys), further restricted per layer by
+        `attention_mask` (causal / sliding layers) over the key positions ``[ctx_positions ; block_positions]``.
+        ctx_positions ``[b, C]`` default: the context key in slot j sits at position j (a cache filled from
+        position 0). Returns ``[b, Q, H]``.
         """
         if len(ctx_kv) != len(self.layers):
             raise ValueError(f"ctx_kv has {len(ctx_kv)} entries, expected one (k, v) per layer ({len(self.layers)}).")
         b, q_len, _ = block_embeds.shape
         ctx_len = ctx_kv[0][0].shape[1]
         masks = {}
-        for window in {layer.self_attn.sliding_window for layer in self.layers}:
-            masks[window] = attn_mask
-            if window is None:
+        for mode in {(layer.self_attn.causal, layer.self_attn.sliding_window) for layer in self.layers}:
+            masks[mode] = attn_mask
+            if mode == (False, None):
                 continue
             if ctx_positions is None:
                 ctx_positions = torch.arange(ctx_len, device=block_positions.device).expand(b, ctx_len)
             key_pos = torch.cat((ctx_positions, block_positions), dim=1)  # [b, C+Q]
-            in_window = key_pos[:, None, :] > block_positions[:, :, None] - window  # [b, Q, C+Q]
-            masks[window] = in_window if attn_mask is None else in_window & attn_mask
+            visible = attention_mask(block_positions, key_pos, *mode)
+            masks[mode] = visible if attn_mask is None else visible & attn_mask
         h = block_embeds.to(self.dtype)
+        if self.cfg.input_embedding_scale != 1.0:
+            h = h * self.cfg.input_embedding_scale
         rope = rope_cos_sin(block_positions, self.inv_freq(h.device), h.dtype)
         for layer, kv in zip(self.layers, ctx_kv):
-            h = layer(h, rope, kv, masks[layer.self_attn.sliding_window])
+            h = layer(h, rope, kv, masks[layer.self_attn.causal, layer.self_attn.sliding_window])
         return self.norm(h)
 
 

@@ -37,7 +37,7 @@ from torch import nn
 
 from .config import DFlashDraftConfig, select_target_layers
 from .data import load_prompt_file, training_prompts
-from .model import DFlashDraftModel, load_draft, save_draft
+from .model import DFlashDraftModel, draft_logits, load_draft, save_draft
 
 # Paper defaults for the loss-decay constant: gamma=7 (B=16), 5 (B=10), 4 (B=8).
 _PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -71,6 +71,8 @@ class TrainArgs:
     num_draft_layers: int = 5
     target_layer_ids: Optional[list[int]] = None  # None -> select_target_layers
     mask_token_id: Optional[int] = None  # None -> default_mask_token_id(tokenizer)
+    sliding_window: Optional[int] = None  # set: the last ``num_sliding_layers`` draft layers slide (z-lab: causal)
+    num_sliding_layers: Optional[int] = None  # None -> every layer when sliding_window is set
     gamma: Optional[float] = None  # None -> default_gamma(block_size)
     anchors_per_seq: int = 32
     steps: int = 1000
@@ -301,7 +303,7 @@ def make_batch(records: Sequence[dict], anchors_per_seq: int, max_seq_len: int, 
 
 def block_attention_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
     """anchors ``[b, A]`` -> bool ``[b, A*B, ctx_len + A*B]``: context keys strictly before the query's anchor,
-    block keys of the query's own block (bidirectional)."""
+    block keys of the query's own block (the draft narrows it per layer: causal / sliding layers)."""
     b, a = anchors.shape
     dev = anchors.device
     q_anchor = anchors.repeat_interleave(block_size, dim=1)  # [b, A*B]
@@ -361,7 +363,7 @@ def dflash_loss(
         del hs
         block_tokens = torch.full((b, a, blk), cfg.mask_token_id, dtype=torch.long, device=dev)
         block_tokens[:, :, 0] = ids.gather(1, batch.anchors)
-        block_embeds = embed(block_tokens).view(b, a * blk, -1)
+        block_embeds = F.embedding(block_tokens, embed.weight).view(b, a * blk, -1)  # raw, as served
         label_pos, labels, label_ok = block_labels(batch, blk)
         weights = loss_weights(blk, gamma, dev)
         mask = block_attention_mask(batch.anchors, t, blk)
@@ -371,7 +373,7 @@ def dflash_loss(
         ctx_kv = draft.context_kv(ctx, positions)
         hidden = draft(block_embeds, label_pos.view(b, -1), ctx_kv, attn_mask=mask).view(b, a, blk, -1)
         sel = label_ok.nonzero(as_tuple=True)
-        logits = lm_head(hidden[sel])  # [N, V]
+        logits = draft_logits(cfg, lm_head(hidden[sel]))  # [N, V]
     ce = F.cross_entropy(logits.float(), labels[sel], reduction="none")
     w = weights[sel[2]]
     loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
@@ -406,8 +408,15 @@ def build_draft_config(target_config, tokenizer, args: TrainArgs) -> DFlashDraft
     num_target_layers = target_config.get_text_config().num_hidden_layers
     ids = args.target_layer_ids or select_target_layers(num_target_layers, args.num_draft_layers)
     mask_id = args.mask_token_id if args.mask_token_id is not None else default_mask_token_id(tokenizer)
-    cfg = DFlashDraftConfig.from_target(target_config, num_hidden_layers=args.num_draft_layers,
-                                        mask_token_id=mask_id, block_size=args.block_size, target_layer_ids=ids)
+    n, n_sliding = args.num_draft_layers, 0
+    if args.sliding_window is not None:
+        n_sliding = n if args.num_sliding_layers is None else args.num_sliding_layers
+        if not 0 <= n_sliding <= n:
+            raise ValueError(f"--num-sliding-layers={n_sliding} must be in [0, --num-draft-layers={n}].")
+    layer_types = ["full_attention"] * (n - n_sliding) + ["sliding_attention"] * n_sliding
+    cfg = DFlashDraftConfig.from_target(target_config, num_hidden_layers=n, mask_token_id=mask_id,
+                                        block_size=args.block_size, target_layer_ids=ids, layer_types=layer_types,
+                                        sliding_window=args.sliding_window if n_sliding else None)
     cfg.validate_target(target_config)
     return cfg
 
@@ -623,6 +632,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--num-draft-layers", type=int, default=d.num_draft_layers)
     p.add_argument("--target-layer-ids", default=None, help="comma list (default: select_target_layers)")
     p.add_argument("--mask-token-id", type=int, default=None)
+    p.add_argument("--sliding-window", type=int, default=None,
+                   help="train sliding-window draft layers (causal inside the block, as z-lab's are served)")
+    p.add_argument("--num-sliding-layers", type=int, default=None,
+                   help="how many of the last draft layers slide (default: all, with --sliding-window)")
     p.add_argument("--gamma", type=float, default=None)
     p.add_argument("--anchors-per-seq", type=int, default=d.anchors_per_seq)
     p.add_argument("--steps", type=int, default=d.steps)
@@ -650,7 +663,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     a = p.parse_args(argv)
     args = TrainArgs(
         block_size=a.block_size, num_draft_layers=a.num_draft_layers, target_layer_ids=_int_list(a.target_layer_ids),
-        mask_token_id=a.mask_token_id, gamma=a.gamma, anchors_per_seq=a.anchors_per_seq, steps=a.steps,
+        mask_token_id=a.mask_token_id, sliding_window=a.sliding_window, num_sliding_layers=a.num_sliding_layers,
+        gamma=a.gamma, anchors_per_seq=a.anchors_per_seq, steps=a.steps,
         batch_size=a.batch_size, lr=a.lr, weight_decay=a.weight_decay, warmup_ratio=a.warmup_ratio, warmup_steps=a.warmup_steps,
         grad_clip=a.grad_clip, seed=a.seed, max_seq_len=a.max_seq_len, num_prompts=a.num_prompts,
         max_prompt_tokens=a.max_prompt_tokens, max_new_tokens=a.max_new_tokens, gen_batch_size=a.gen_batch_size,

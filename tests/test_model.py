@@ -71,7 +71,9 @@ def naive_draft(sd, cfg, target_hidden, ctx_pos, block_embeds, block_pos, allowe
                              for j in range(nkv)])
                 vals.append([vv[j] for j in range(nkv)])
                 kpos.append(int(ps))
-        window = cfg.sliding_window if cfg.layer_types[li] == "sliding_attention" else None
+        sliding = cfg.layer_types[li] == "sliding_attention"  # z-lab: sliding layers are causal in the block
+        window = cfg.sliding_window if sliding else None
+        causal = sliding if cfg.is_causal is None else cfg.is_causal
         new_h = []
         for qi, (tok, qp) in enumerate(zip(x, block_pos)):
             qq = (W[a + "q_proj.weight"] @ tok).view(nh, d)
@@ -83,7 +85,10 @@ def naive_draft(sd, cfg, target_hidden, ctx_pos, block_embeds, block_pos, allowe
                 for ki in range(len(keys)):
                     if not allowed[qi, ki]:
                         continue
-                    if window is not None and not kpos[ki] > int(qp) - window:
+                    if causal and kpos[ki] > int(qp):
+                        continue
+                    if window is not None and (int(qp) - kpos[ki] >= window
+                                               or (not causal and kpos[ki] - int(qp) >= window)):
                         continue
                     scores.append(float(qv @ keys[ki][g]) / math.sqrt(d))
                     vs.append(vals[ki][g])
