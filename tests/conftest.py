@@ -60,6 +60,33 @@ def make_draft_config(target_config, num_hidden_layers: int = 2, block_size: int
     )
 
 
+_being_set_up = {}  # "item": the test whose setup (fixtures included) or call is running
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _being_set_up["item"] = item
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _sglang_servers_only_in_the_server_tier():
+    """A test that starts ``sglang.launch_server`` must carry the ``server`` marker: ``tests/run.py`` runs those tests
+    in the server tier, after the rest, and leaves them out with ``--fast``. Starting one from an unmarked test (or
+    from a fixture that an unmarked test is the first to use) raises, naming the test."""
+    popen_init = subprocess.Popen.__init__
+
+    def guarded(self, args, *rest, **kwargs):
+        item = _being_set_up.get("item")
+        text = " ".join(map(str, args)) if isinstance(args, (list, tuple)) else str(args)
+        if item is not None and "sglang.launch_server" in text and item.get_closest_marker("server") is None:
+            raise RuntimeError(f"{item.nodeid} starts an SGLang server: mark it @pytest.mark.server")
+        popen_init(self, args, *rest, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(subprocess.Popen, "__init__", guarded)
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen3():
     return make_tiny_target("qwen3")

@@ -383,30 +383,6 @@ def test_stop_params_pick_a_stop_that_fires_first_where_asked(tokenizer):
         stop_params("token", [5, 5, 5, 5, 5, 5, 5], 1, tokenizer)
 
 
-def test_near_tie_parting_rule():
-    def reply(ids, tops=None):
-        return {"output_ids": ids, "meta_info": {} if tops is None else {"output_top_logprobs": tops}}
-
-    tops = [[(-0.1, 5, None), (-3.0, 6, None)],
-            [(-1.00, 7, None), (-1.0625, 8, None), (-1.125, 2, None), (-1.5, 3, None)],
-            [(-0.5, 9, None), (-2.0, 1, None)]]
-    want = reply([5, 7, 9], tops)
-    assert near_tie_parting(want, reply([5, 8, 4])) == 1  # the runner-up, 0.0625 behind
-    assert near_tie_parting(want, reply([5, 2, 4])) == 1  # the third choice, 0.125 behind
-    assert near_tie_parting(want, reply([5, 3, 9])) is None  # among the top choices, but 0.5 behind
-    assert near_tie_parting(want, reply([5, 4, 9])) is None  # not among the top choices
-    assert near_tie_parting(want, reply([6, 7, 9])) is None  # a 2.9-nat gap is no tie
-    assert near_tie_parting(want, reply([5, 7, 9])) is None  # no parting at all
-    assert near_tie_parting(want, reply([5, 7])) is None  # a prefix: cut short, not parted
-    assert near_tie_parting(reply([5, 7, 9]), reply([5, 8, 9])) is None  # no logprobs to judge by
-    # agreeing_length: the shared length both helpers compare logprobs over
-    top = compare.sglang_top(want)
-    assert compare.agreeing_length([5, 7, 9], [5, 7, 9], top, near_ties=False) == 3
-    assert compare.agreeing_length([5, 7, 9], [5, 8, 4], top, near_ties=True) == 1
-    assert compare.agreeing_length([5, 7, 9], [5, 8, 4], top, near_ties=False) is None  # float32: exact only
-    assert compare.agreeing_length([5, 7, 9], [6, 7, 9], top, near_ties=True) is None
-
-
 def test_bf16_divergences_are_near_ties(target, drafter, loader_prompts, tmp_path):
     """A bfloat16 DFLASH server may part from a bfloat16 no-spec server only at a near-tie of the no-spec run
     (sglang_dflash.compare: the DFLASH token among the no-spec top choices there, at most TIE_NATS below the no-spec one).
