@@ -141,7 +141,7 @@ class DFlashDraftConfig:
     rope_scaling: Optional[dict] = None
     max_position_embeddings: int = 40960
     layer_types: Optional[list[str]] = None  # None -> all "full_attention"
-    sliding_window: Optional[int] = None
+    sliding_window: Optional[int] = None  # the window of sliding layers (None: they are causal, unwindowed)
     is_causal: Optional[bool] = None  # None -> sliding layers causal, full layers bidirectional (layer_attention)
     input_embedding_scale: float = 1.0  # block embeddings are the target's raw embeddings times this
     output_multiplier: float = 1.0  # draft logits = lm_head(hidden) * this, then the soft cap
@@ -200,11 +200,8 @@ class DFlashDraftConfig:
         unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if unknown:
             raise err(f"unknown layer_types {unknown}; each entry must be one of {list(LAYER_TYPES)}.")
-        if "sliding_attention" in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
-            raise err(
-                f"layer_types contains 'sliding_attention' but sliding_window={self.sliding_window}; "
-                "set sliding_window to a positive integer."
-            )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise err(f"sliding_window={self.sliding_window} must be a positive integer (or null); fix config.json.")
         if self.is_causal is not None and not isinstance(self.is_causal, bool):
             raise err(f"is_causal={self.is_causal!r} must be true, false or absent; fix it in config.json.")
         if not self.input_embedding_scale > 0 or not self.output_multiplier > 0:
@@ -238,7 +235,7 @@ class DFlashDraftConfig:
         """(causal, window) of draft layer ``layer_id``, as z-lab's reference defines them.
 
         causal: ``is_causal`` when the config sets it (for every layer), else True exactly for sliding layers.
-        window: ``sliding_window`` for sliding layers, else None. A block query at position p sees a key at
+        window: ``sliding_window`` for sliding layers (None when the config disables it), else None. A block query at position p sees a key at
         position k iff ``k <= p`` (causal layers only) and ``p - k < window`` (sliding layers; a non-causal
         sliding layer also needs ``k - p < window``); positions are absolute, context and block alike."""
         sliding = self.layer_types[layer_id] == "sliding_attention"
@@ -323,7 +320,9 @@ class DFlashDraftConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
             layer_types=list(layer_types) if layer_types is not None else None,
-            sliding_window=d.get("sliding_window"),
+            # Qwen3Config's reading, which z-lab's model inherits: the window only with use_sliding_window
+            # (default 4096 when the key is absent), otherwise none
+            sliding_window=d.get("sliding_window", 4096) if d.get("use_sliding_window", False) else None,
             is_causal=d.get("is_causal"),
             input_embedding_scale=float(value("input_embedding_scale", 1.0)),
             output_multiplier=float(value("output_multiplier", 1.0)),
@@ -407,7 +406,7 @@ class DFlashDraftConfig:
             vocab_size=self.vocab_size,
             layer_types=list(self.layer_types),
             sliding_window=self.sliding_window,
-            use_sliding_window="sliding_attention" in self.layer_types,
+            use_sliding_window=self.sliding_window is not None,
             max_window_layers=self.num_hidden_layers,
             tie_word_embeddings=self.tie_word_embeddings,
             torch_dtype=self.torch_dtype,

@@ -127,7 +127,7 @@ def _with(**changes):
         (_with(dflash_mask_token_id=128), r"mask_token_id=128 is >= vocab_size=128"),
         (_with(num_target_layers=None), r"lacks num_target_layers"),
         (_with(block_size=None), r"lacks block_size"),
-        (_with(sliding_window=None), r"'sliding_attention' but sliding_window=None"),
+        (_with(sliding_window=0), r"sliding_window=0 must be a positive integer"),
         (_with(layer_types=["full_attention"]), r"layer_types has 1 entries but num_hidden_layers=2"),
         (_with(layer_types=["full_attention", "chunked"]), r"unknown layer_types \['chunked'\]"),
         (_with(rope_scaling={"rope_type": "yarn", "factor": 4.0}), r"rope_scaling type 'yarn' is not supported"),

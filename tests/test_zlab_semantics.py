@@ -123,6 +123,7 @@ ZLAB_CASES = {
     "mixed": dict(layer_types=["full_attention", "sliding_attention"], sliding_window=4),
     "is_causal true": dict(layer_types=["full_attention", "sliding_attention"], sliding_window=4, is_causal=True),
     "is_causal false": dict(layer_types=["sliding_attention"] * 2, sliding_window=3, is_causal=False),
+    "sliding, no window": dict(layer_types=["sliding_attention"] * 2, sliding_window=None),
     "input_embedding_scale": dict(layer_types=["full_attention", "sliding_attention"], sliding_window=4,
                                   input_embedding_scale=2.5),
 }
@@ -176,6 +177,18 @@ def test_every_dflash_config_key_is_read():
                                        "input_embedding_scale", "output_multiplier", "final_logit_softcapping"}
     again = DFlashDraftConfig.from_dict(cfg.to_dict())  # written back, not dropped
     assert again == cfg and again.is_causal is True and again.final_logit_softcapping == 30.0
+
+
+def test_sliding_window_only_with_use_sliding_window():
+    """Qwen3Config's reading (z-lab's model inherits it): without use_sliding_window the window is off and sliding
+    layers are causal, unwindowed; with it and no sliding_window key the window is 4096."""
+    d = _zlab_dict()
+    d["use_sliding_window"] = False
+    off = DFlashDraftConfig.from_dict(d)
+    assert off.sliding_window is None and off.layer_attention(1) == (True, None)
+    d["use_sliding_window"] = True
+    del d["sliding_window"]
+    assert DFlashDraftConfig.from_dict(d).layer_attention(1) == (True, 4096)
 
 
 def test_dflash_keys_at_top_level_as_zlab_reads_them():
