@@ -12,6 +12,8 @@ import inspect
 import logging
 import os
 
+from sglang_dflash.adapter import cpu_platform
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_SGLANG = "0.5.17"
@@ -44,6 +46,8 @@ EXPECTED_SIGNATURES = {
     # used (not hooked) by the whole-step CUDA graphs (step_graphs)
     "sglang.srt.layers.attention.flashinfer_backend.FlashInferAttnBackend.init_forward_metadata_out_graph": [
         "self", "forward_batch", "in_capture"],
+    # the CPU set-up's hooks
+    **{target: params for target, (_hook, params) in cpu_platform.HOOKS.items()},
 }
 
 
@@ -76,7 +80,8 @@ def check_sglang_compat() -> list[str]:
     return problems
 
 
-def install() -> None:
+def install() -> bool:
+    """Register the DFLASH hooks; False (DFLASH refused, logged) where this SGLang is not the supported one."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     impl = selected_impl()
@@ -97,7 +102,7 @@ def install() -> None:
             "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.from_string", refuse, HookType.AROUND
         )
         logger.error(message)
-        return
+        return False
 
     HookRegistry.register(
         "sglang.srt.arg_groups.speculative_hook.handle_speculative_decoding", _check_draft_first, HookType.BEFORE
@@ -129,6 +134,7 @@ def install() -> None:
     )
     logger.info("sglang-dflash plugin loaded: DFLASH -> %s (%s=%s)",
                 "sglang-dflash" if impl == "sglang_dflash" else "SGLang built-in", IMPL_ENV, impl)
+    return True
 
 
 def _ours(algo) -> bool:

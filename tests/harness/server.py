@@ -1,12 +1,12 @@
 """Run real ``python -m sglang.launch_server`` processes for tests, on CPU (default) or on a CUDA GPU.
 
 CPU mode (``SGLANG_DFLASH_TEST_DEVICE`` unset or ``cpu``; what CI runs): the server runs stock SGLang with
-``SGLANG_USE_CPU_ENGINE=1 --device cpu`` and the ``torch_native`` attention backend. ``sitecustomize/`` is put
-first on the server's PYTHONPATH so ``sgl_kernel`` imports without a GPU driver and the few ``sgl_kernel`` CPU
-ops that speculative decoding reaches exist (see its docstring). SGLang's overlap scheduler calls
-``Tensor.record_stream``, which torch refuses for CPU streams; ``sitecustomize`` makes it a no-op for CPU tensors, so
-the overlap schedule runs on CPU where the algorithm allows it (sglang-dflash: ``SGLANG_DFLASH_CPU_OVERLAP=1``; SGLang's
-own speculative algorithms switch it off on CPU).
+``SGLANG_USE_CPU_ENGINE=1 --device cpu`` and the ``torch_native`` attention backend, set up for the CPU by the plugin
+itself (``sglang_dflash.adapter.cpu_platform``; ``tests/test_cpu_serving.py`` starts the README's command without any
+of this). ``sitecustomize/`` is put first on the server's PYTHONPATH for two test-only switches (see its docstring):
+SGLang's overlap scheduler calls ``Tensor.record_stream``, which torch refuses for CPU streams; ``sitecustomize`` makes
+it a no-op for CPU tensors, so the overlap schedule runs on CPU where a test asks for it (sglang-dflash:
+``SGLANG_DFLASH_CPU_OVERLAP=1``; SGLang's own speculative algorithms switch it off on CPU).
 
 GPU mode (``SGLANG_DFLASH_TEST_DEVICE=cuda``): the server gets ``CUDA_SERVER_ARGS`` (``--device cuda``, the
 attention backend ``$SGLANG_DFLASH_TEST_GPU_BACKEND`` -- ``flashinfer`` by default, what the benchmarks serve,

@@ -1,0 +1,273 @@
+"""Serving on a host without an accelerator: what stock SGLang 0.5.17 needs there, set up by the plugin itself.
+
+:func:`setup` runs from the plugin entry point (``plugin.register``), i.e. in the launcher (before it parses the
+server arguments and spawns the scheduler and detokenizer processes) and again in every scheduler process. It acts
+on a CPU-only host (no CUDA / ROCm / XPU / MPS device, no NPU / HPU / MUSA runtime) or when
+``SGLANG_USE_CPU_ENGINE=1`` asks for SGLang's CPU engine, for every server (no-spec and DFLASH alike):
+
+1. **CPU engine.** ``SGLANG_USE_CPU_ENGINE=1`` (SGLang's switch) goes into ``os.environ``, so every process the
+   launcher spawns starts with it: the device defaults to ``cpu`` and layers take their CPU paths instead of imports
+   that assume CUDA (the rotary embedding's ``vllm._custom_ops``). The launcher has evaluated SGLang's cached device
+   checks at import, before any plugin loads; they are reset here.
+2. **sgl_kernel.** ``import sgl_kernel`` (pulled in by SGLang's memory pool, in the scheduler before the plugin
+   loads) first loads its native ``common_ops``, which links ``libcuda.so.1`` and fails without an NVIDIA driver;
+   its loader's last resort is a plain ``import common_ops``. ``cpu_shim/`` (holding an empty ``common_ops``) is
+   appended to ``sys.path``, which spawned processes inherit from the launcher; a working native build still wins.
+   The three ``torch.ops.sgl_kernel`` CPU ops speculative decoding reaches on CPU, which only sgl-kernel's separate
+   CPU build provides, are registered in plain torch (:data:`CPU_OPS`) unless that build is present.
+3. **Attention backend.** SGLang defaults a CPU server to ``intel_amx``, whose kernels come with sgl-kernel's CPU
+   build and need AMX tiles; where :func:`sglang.srt.utils.common.cpu_has_amx_support` is false, or for DFLASH
+   served by sglang-dflash, the default becomes ``torch_native`` (logged). An explicit backend that cannot run on
+   CPU is refused with one line naming it.
+4. **KV pool.** SGLang sizes a CPU KV pool from ``--mem-fraction-static`` of the host's RAM (~60% of it); without
+   ``--max-total-tokens`` the pool gets at most ``1 / KV_RAM_SHARE`` of the RAM available once the weights are
+   loaded (logged with the size chosen).
+5. **Grammars.** xgrammar's token bitmask is allocated in pinned memory (needs a CUDA driver) and applied on GPU
+   devices only; here it is allocated unpinned and CPU logits are masked with xgrammar's CPU kernel (same bitmask).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import logging
+import os
+import sys
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
+SHIM_DIR = Path(__file__).resolve().parent / "cpu_shim"
+# Without --max-total-tokens a CPU KV pool gets at most 1/KV_RAM_SHARE of the RAM available after the weights load.
+KV_RAM_SHARE = 8
+# Attention backends that run on CPU (intel_amx only with sgl-kernel's CPU build).
+CPU_BACKENDS = ("torch_native", "intel_amx")
+# Runtimes of accelerators SGLang serves through their own platform code; their presence leaves the host alone.
+_ACCELERATOR_RUNTIMES = ("torch_npu", "habana_frameworks", "torchada")
+
+def accelerator_present() -> bool:
+    """A device SGLang serves on other than the CPU: CUDA / ROCm, XPU or MPS, or an NPU / HPU / MUSA runtime."""
+    import torch
+
+    if torch.cuda.is_available() or torch.backends.mps.is_available():
+        return True
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        return True
+    return any(importlib.util.find_spec(m) is not None for m in _ACCELERATOR_RUNTIMES)
+
+
+def cpu_serving() -> bool:
+    """True where SGLang serves on the CPU: the user asked for its CPU engine, or the host has no accelerator."""
+    return os.environ.get(CPU_ENGINE_ENV) == "1" or (CPU_ENGINE_ENV not in os.environ and not accelerator_present())
+
+
+def setup() -> bool:
+    """Prepare this process for CPU serving (1 and 2 of the module docstring) where :func:`cpu_serving`, before
+    anything imports sgl_kernel; returns whether it did. The hooks (3-5) follow with :func:`register_hooks`."""
+    if not cpu_serving():
+        return False
+    _select_cpu_engine()
+    if str(SHIM_DIR) not in sys.path:
+        sys.path.append(str(SHIM_DIR))
+    register_sgl_kernel_cpu_ops()
+    return True
+
+
+def _select_cpu_engine() -> None:
+    """SGLANG_USE_CPU_ENGINE=1 for this process and its children; SGLang's cached device checks re-evaluated."""
+    if os.environ.get(CPU_ENGINE_ENV) == "1":
+        return
+    os.environ[CPU_ENGINE_ENV] = "1"
+    import sglang.srt.platforms as platforms
+    from sglang.srt.platforms.cpu import CpuSRTPlatform
+    from sglang.srt.platforms.interface import SRTPlatform
+    from sglang.srt.utils import common
+
+    common.is_cpu.cache_clear()
+    common.get_device.cache_clear()
+    resolved = platforms._current_platform
+    if type(resolved) is SRTPlatform:
+        # the "no accelerator" platform SGLang resolved at import; modules hold it by `from ... import
+        # current_platform`, so it becomes the CPU platform in place
+        resolved.__class__ = CpuSRTPlatform
+
+
+# ------------------------------------------------------------------------------------------------ sgl_kernel CPU ops
+
+
+def _copy_all_layer_kv_cache(data_ptrs, strides, tgt_loc, src_loc) -> None:
+    """For every buffer i (base address ``data_ptrs[i]``, ``strides[i]`` bytes per slot): slot tgt <- slot src."""
+    tgt, src = tgt_loc.tolist(), src_loc.tolist()
+    for base, stride in zip(data_ptrs.tolist(), strides.tolist()):
+        rows = [ctypes.string_at(base + s * stride, stride) for s in src]  # gather, then scatter
+        for t, row in zip(tgt, rows):
+            ctypes.memmove(base + t * stride, row, stride)
+
+
+def _segments(req_pool_indices, start_offset, end_offset):
+    """(req row, kv start, kv end, offset into the packed locs) per request."""
+    out, pos = [], 0
+    for r, s, e in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()):
+        out.append((r, s, e, pos))
+        pos += e - s
+    return out
+
+
+def _assign_req_to_token_pool(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
+                              pool_len) -> None:
+    """``req_to_token[req, start:end]`` = that request's packed ``out_cache_loc`` segment."""
+    for r, s, e, p in _segments(req_pool_indices, start_offset, end_offset):
+        req_to_token[r, s:e] = out_cache_loc[p: p + e - s].to(req_to_token.dtype)
+
+
+def _assign_extend_cache_locs(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
+                              pool_len) -> None:
+    """That request's packed ``out_cache_loc`` segment = ``req_to_token[req, start:end]``."""
+    for r, s, e, p in _segments(req_pool_indices, start_offset, end_offset):
+        out_cache_loc[p: p + e - s] = req_to_token[r, s:e].to(out_cache_loc.dtype)
+
+
+# op name -> (schema, CPU implementation with the semantics of SGLang's Triton versions)
+CPU_OPS = {
+    "copy_all_layer_kv_cache_cpu": (
+        "(Tensor data_ptrs, Tensor strides, Tensor tgt_loc, Tensor src_loc) -> ()", _copy_all_layer_kv_cache),
+    "assign_req_to_token_pool_cpu": (
+        "(Tensor req_pool_indices, Tensor(a!) req_to_token, Tensor start_offset, Tensor end_offset, "
+        "Tensor out_cache_loc, int pool_len) -> ()", _assign_req_to_token_pool),
+    "assign_extend_cache_locs_cpu": (
+        "(Tensor req_pool_indices, Tensor req_to_token, Tensor start_offset, Tensor end_offset, "
+        "Tensor(a!) out_cache_loc, int pool_len) -> ()", _assign_extend_cache_locs),
+}
+_LIBRARY = None  # kept alive: dropping the torch.library.Library unregisters its ops
+
+
+def register_sgl_kernel_cpu_ops() -> None:
+    """Register :data:`CPU_OPS` under ``torch.ops.sgl_kernel`` where sgl_kernel (loaded first) lacks them."""
+    global _LIBRARY
+    import sgl_kernel  # noqa: F401  (a native build registers its own ops on import; those win)
+    import torch
+
+    missing = [name for name in CPU_OPS if not hasattr(torch.ops.sgl_kernel, name)]
+    if not missing:
+        return
+    if _LIBRARY is None:
+        _LIBRARY = torch.library.Library("sgl_kernel", "FRAGMENT")
+    for name in missing:
+        schema, fn = CPU_OPS[name]
+        _LIBRARY.define(name + schema)
+        _LIBRARY.impl(name, fn, "CPU")
+
+
+# ------------------------------------------------------------------------------------------------ SGLang hooks
+
+
+def register_hooks() -> None:
+    """Hooks 3-5 of the module docstring (:data:`HOOKS`)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target, (hook, _params) in HOOKS.items():
+        HookRegistry.register(target, hook, HookType.AROUND)
+
+
+def _cpu_attention_backend(original, server_args) -> None:
+    """SGLang's CPU default (intel_amx on x86) where it runs, else torch_native (logged): on a CPU without intel_amx
+    support, and for DFLASH served by sglang-dflash (`server_args.default_attention_backend`). An explicit backend
+    that cannot run on CPU is refused."""
+    chosen = server_args.attention_backend
+    original(server_args)
+    if server_args.device != "cpu":
+        return
+    if chosen is not None:
+        check_cpu_attention_backend(chosen)
+        return
+    if server_args.attention_backend != "intel_amx":
+        return
+    from sglang.srt.utils.common import cpu_has_amx_support
+
+    from sglang_dflash.adapter.hooks import _ours_by_args
+    from sglang_dflash.adapter.server_args import default_attention_backend
+
+    if _ours_by_args(server_args):
+        backend, why = default_attention_backend(server_args, "intel_amx"), "DFLASH served by sglang-dflash"
+    elif not cpu_has_amx_support():
+        backend, why = "torch_native", "this CPU has no intel_amx support (AMX tiles and sgl-kernel's CPU build)"
+    else:
+        return
+    server_args.attention_backend = backend
+    logger.info("sglang-dflash: CPU attention backend %s, not SGLang's default intel_amx (%s); --attention-backend "
+                "chooses another.", backend, why)
+
+
+def check_cpu_attention_backend(backend: str) -> None:
+    """Refuse an attention backend that cannot run on this CPU, naming it and the fix."""
+    import torch
+
+    if backend not in CPU_BACKENDS:
+        raise ValueError(f"sglang-dflash: --attention-backend {backend} does not run on CPU. "
+                         f"Use --attention-backend torch_native.")
+    if backend == "intel_amx" and not hasattr(torch.ops.sgl_kernel, "decode_attention_cpu"):
+        raise ValueError("sglang-dflash: --attention-backend intel_amx needs sgl-kernel's CPU build "
+                         "(torch.ops.sgl_kernel.decode_attention_cpu), which is not installed. "
+                         "Use --attention-backend torch_native.")
+
+
+def _cpu_kv_budget(original, configurator, pre_model_load_memory) -> int:
+    """KV pool bytes: SGLang's budget, on CPU without --max-total-tokens at most 1/KV_RAM_SHARE of the RAM
+    available now (after the weights loaded)."""
+    budget = original(configurator, pre_model_load_memory)
+    from sglang.srt.runtime_context import get_schedule
+
+    if configurator.device != "cpu" or get_schedule().max_total_tokens is not None:
+        return budget
+    import psutil
+
+    available = psutil.virtual_memory().available
+    cap = available // KV_RAM_SHARE
+    if budget <= cap:
+        return budget
+    logger.info("sglang-dflash: CPU KV pool of %.2f GiB: 1/%d of the %.1f GiB of RAM available after loading the "
+                "weights (SGLang's --mem-fraction-static would take %.2f GiB); --max-total-tokens N sets the pool "
+                "size instead.", cap / 2**30, KV_RAM_SHARE, available / 2**30, budget / 2**30)
+    return cap
+
+
+def _unpinned_token_bitmask(original, vocab_size: int, batch_size: int):
+    """xgrammar's token bitmask (all tokens allowed) in pageable memory: pinning needs a CUDA driver."""
+    import torch
+    from sglang.srt.constrained import xgrammar_backend
+
+    return torch.full(xgrammar_backend.get_bitmask_shape(batch_size, vocab_size), -1,
+                      dtype=xgrammar_backend.bitmask_dtype)
+
+
+def _mask_logits(apply, logits, vocab_mask) -> None:
+    """Apply the bitmask to CPU logits with xgrammar's CPU kernel; other devices go to SGLang's ``apply``."""
+    if logits.device.type != "cpu":
+        return apply(logits, vocab_mask)
+    import xgrammar
+
+    xgrammar.apply_token_bitmask_inplace(logits, vocab_mask.to(logits.device))
+
+
+def _grammar_mask_method(original, grammar, logits, vocab_mask) -> None:
+    _mask_logits(lambda lg, vm: original(grammar, lg, vm), logits, vocab_mask)
+
+
+def _grammar_mask_static(original, logits, vocab_mask) -> None:
+    _mask_logits(original, logits, vocab_mask)
+
+
+# dotted path -> (hook, parameter names of the hooked SGLang function; checked with the plugin's other hooks in
+# `hooks.EXPECTED_SIGNATURES`)
+HOOKS = {
+    "sglang.srt.server_args.ServerArgs._handle_cpu_backends": (_cpu_attention_backend, ["self"]),
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes": (
+        _cpu_kv_budget, ["self", "pre_model_load_memory"]),
+    "sglang.srt.constrained.xgrammar_backend._allocate_token_bitmask": (
+        _unpinned_token_bitmask, ["vocab_size", "batch_size"]),
+    "sglang.srt.constrained.xgrammar_backend.XGrammarGrammar.apply_vocab_mask": (
+        _grammar_mask_method, ["self", "logits", "vocab_mask"]),
+    "sglang.srt.constrained.xgrammar_backend.XGrammarGrammarBackend.apply_vocab_mask": (
+        _grammar_mask_static, ["logits", "vocab_mask"]),
+}
