@@ -29,6 +29,11 @@ which the servers inherit. Run from outside the checkout (so the installed packa
 (no ``-x``: in bf16 a mismatch is an outcome to record, and ``-x`` would stop the run at the first one).
 ``SGLANG_DFLASH_TEST_DRAFTER=<dir>`` serves another drafter than the bundled one (``server_fixtures.py``).
 
+Every server leads its own process group, which is killed when its ``with`` block ends, when the test process gets
+SIGTERM, SIGINT or SIGHUP (a stopped or timed-out test run) or its parent dies (``tests/run.py``), and at interpreter
+exit (:func:`kill_all_servers`). A server that does not answer ``/health_generate`` in time is killed and reported
+with its last log lines.
+
     with launch_server(model_dir, ["--dtype", "float32"]) as server:
         out = server.generate([1, 2, 3], {"max_new_tokens": 8, "temperature": 0})
         out["output_ids"]
@@ -36,6 +41,7 @@ which the servers inherit. Run from outside the checkout (so the installed packa
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import random
@@ -44,6 +50,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -152,7 +159,7 @@ CUDA_DTYPES: dict[str, str] = {"float32": "bfloat16", "float": "bfloat16"}
 STARTUP_TIMEOUTS: dict[str, float] = {"cpu": 300.0, "cuda": 420.0}
 STARTUP_TIMEOUT = STARTUP_TIMEOUTS[DEVICE]
 
-LOG_TAIL_CHARS = 6000
+LOG_TAIL_LINES = 40
 
 
 class ServerStartupError(RuntimeError):
@@ -272,9 +279,17 @@ def server_env(env: Mapping[str, str] | None = None, device: str | None = None) 
     return out
 
 
-def _tail(path: Path, n: int = LOG_TAIL_CHARS) -> str:
+def _tail(path: Path, n: int = LOG_TAIL_LINES) -> str:
+    """The last ``n`` lines of the log at ``path`` (each cut at 2,000 characters: SGLang logs its server args on one
+    line)."""
     text = path.read_text(errors="replace") if path.exists() else ""
-    return text[-n:]
+    return "\n".join(line[:2000] for line in text.splitlines()[-n:])
+
+
+# Server processes (each the leader of its own group) not yet killed, by pid. Reentrant: a signal handler runs
+# kill_all_servers in the main thread, possibly while that thread holds the lock.
+_LIVE: dict[int, subprocess.Popen] = {}
+_LIVE_LOCK = threading.RLock()
 
 
 def _kill_group(proc: subprocess.Popen, grace: float = 0.0) -> None:
@@ -290,6 +305,54 @@ def _kill_group(proc: subprocess.Popen, grace: float = 0.0) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    with _LIVE_LOCK:
+        _LIVE.pop(proc.pid, None)
+
+
+def kill_all_servers() -> None:
+    """Kill the process group of every server still running (signal handlers and interpreter exit)."""
+    with _LIVE_LOCK:
+        procs = list(_LIVE.values())
+        _LIVE.clear()
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _kill_servers_then(previous):
+    """Signal handler: kill every server, then do what ``previous`` (the handler it replaced) did."""
+
+    def handler(signum, frame):
+        kill_all_servers()
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:  # SIG_DFL (or None): die of the signal, as without this handler
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    return handler
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _install_cleanup() -> None:
+    """Servers die with the test process: on SIGTERM / SIGINT / SIGHUP (a stopped or timed-out run) and at exit;
+    on Linux the test process also gets SIGTERM when the process that started it dies (``tests/run.py`` runs pytest
+    as a child: a SIGTERM to it reaches the servers this way). Signal handlers can only be set from the main thread,
+    where this module is first imported."""
+    atexit.register(kill_all_servers)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, _kill_servers_then(signal.getsignal(sig)))
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+_install_cleanup()
 
 
 class Server:
@@ -334,27 +397,34 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
 
-def _start(model_path, extra_args, env, log_path) -> tuple[subprocess.Popen, str, Path]:
-    port = free_port()
+def _log_path(log_path: str | os.PathLike | None) -> Path:
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix="sglang-server-", suffix=".log")
         os.close(fd)
         log_path = name
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            server_command(model_path, port, extra_args),
-            env=server_env(env),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            # not the checkout: ``python -m`` puts the cwd first on sys.path, and the source tree's
-            # ``sglang_dflash`` (without ``sglang_dflash.kernels``, which lives in kernels/) would shadow the
-            # installed package that a user's server imports
-            cwd=log_path.parent,
-        )
+    return log_path
+
+
+def start_process(cmd: Sequence[str], env: Mapping[str, str], log_path: Path,
+                  cwd: str | os.PathLike | None = None) -> subprocess.Popen:
+    """Start ``cmd`` as the leader of a new process group, output to ``log_path``, killed with the test run."""
+    with open(log_path, "wb") as log, _LIVE_LOCK:
+        proc = subprocess.Popen(list(cmd), env=dict(env), stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, cwd=cwd)
+        _LIVE[proc.pid] = proc
+    return proc
+
+
+def _start(model_path, extra_args, env, log_path) -> tuple[subprocess.Popen, str, Path]:
+    port = free_port()
+    log_path = _log_path(log_path)
+    # not the checkout: ``python -m`` puts the cwd first on sys.path, and the source tree's ``sglang_dflash``
+    # (without ``sglang_dflash.kernels``, which lives in kernels/) would shadow the installed package that a
+    # user's server imports
+    proc = start_process(server_command(model_path, port, extra_args), server_env(env), log_path,
+                         cwd=log_path.parent)
     return proc, f"http://127.0.0.1:{port}", log_path
 
 
@@ -383,14 +453,27 @@ def launch_server(
     Raises ``ServerStartupError`` (with the log tail) if the process exits or ``timeout`` s (default
     ``STARTUP_TIMEOUT``) pass before ``/health_generate`` answers 200.
     """
-    timeout = STARTUP_TIMEOUT if timeout is None else timeout
     proc, base_url, log_path = _start(model_path, extra_args, env, log_path)
+    with serving(proc, base_url, log_path, timeout) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def serving(proc: subprocess.Popen, base_url: str, log_path: Path, timeout: float | None = None) -> Iterator[Server]:
+    """Yield a ``Server`` for the server process ``proc`` (from :func:`start_process`) once ``base_url`` answers
+    ``/health_generate``; always kill its process group.
+
+    Raises ``ServerStartupError`` with the last ``LOG_TAIL_LINES`` lines of its log if it exits or ``timeout`` s
+    (default ``STARTUP_TIMEOUT``) pass first.
+    """
+    timeout = STARTUP_TIMEOUT if timeout is None else timeout
     try:
-        started = time.monotonic()
-        if not _wait_healthy(proc, base_url, started + timeout):
+        if not _wait_healthy(proc, base_url, time.monotonic() + timeout):
             rc = proc.poll()
-            why = f"exited with code {rc}" if rc is not None else f"was not healthy after {timeout:.0f} s"
-            raise ServerStartupError(f"sglang server {why}; log {log_path}, tail:\n{_tail(log_path)}")
+            why = (f"exited with code {rc}" if rc is not None else
+                   f"was not healthy after {timeout:.0f} s (killed)")
+            raise ServerStartupError(f"sglang server {why}; log {log_path}, last {LOG_TAIL_LINES} lines:\n"
+                                     f"{_tail(log_path)}")
         yield Server(proc, base_url, log_path)
     finally:
         _kill_group(proc)
