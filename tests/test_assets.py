@@ -60,6 +60,9 @@ def test_cached_and_cli(converted, capsys):
     assert assets.smollm2_path() == converted
     assets.main([])
     assert capsys.readouterr().out.strip() == str(converted)
+    assets.main(["--paths"])  # shell assignments for the README's serving example
+    assert capsys.readouterr().out.splitlines() == [f"TARGET={converted}",
+                                                    f"DRAFTER={assets.bundled_drafter_path()}"]
 
 
 def test_missing_out_dir_is_rejected(tmp_path):

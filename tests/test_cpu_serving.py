@@ -1,14 +1,30 @@
-"""SGLang serving on a machine without a GPU: the plugin's own CPU set-up (``sglang_dflash.adapter.cpu_platform``),
-no test harness environment and no sitecustomize."""
+"""SGLang serving as the README says, on a machine without a GPU: the plugin's own CPU set-up
+(``sglang_dflash.adapter.cpu_platform``), no test harness environment and no sitecustomize.
+
+``test_readme_serving_command`` runs the README's Serving commands as written (``--port`` appended, so that it does
+not take the default port of a shared machine; ``.venv/bin/python`` is this interpreter) and sends the README's
+chat request. On a GPU host it runs the same commands there.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
-from harness.server import SITECUSTOMIZE_DIR
+import pytest
+import requests
+
+from harness.server import SITECUSTOMIZE_DIR, STARTUP_TIMEOUT, free_port, serving, start_process
+
+REPO = Path(__file__).resolve().parent.parent
+README = REPO / "README.md"
+README_PYTHON = ".venv/bin/python"
+README_PORT = "30000"  # SGLang's default, which the README's request addresses
 
 
 def _clean_env() -> dict[str, str]:
@@ -64,3 +80,49 @@ print("ok")
         env["SGLANG_USE_CPU_ENGINE"] = "1"
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+def readme_serving() -> tuple[list[str], str, dict]:
+    """The README's Serving section: the commands of its first bash block, and the route and JSON body of the
+    request in its second."""
+    section = README.read_text().split("\n## Serving\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+    commands = [ln for ln in blocks[0].replace("\\\n", " ").splitlines() if ln.strip() and not ln.startswith("#")]
+    request = blocks[1].replace("\\\n", " ")
+    route = re.search(rf"localhost:{README_PORT}(/\S+)", request).group(1)
+    body = json.loads(re.search(r"-d '(.*?)'", request, re.S).group(1))
+    return commands, route, body
+
+
+@pytest.mark.server
+def test_readme_serving_command(tmp_path):
+    """The README's serving example answers its chat request with DFLASH's accept statistics in meta_info."""
+    commands, route, body = readme_serving()
+    assert commands[0].startswith(f'eval "$({README_PYTHON} -m sglang_dflash.assets --paths)"'), commands
+    assert commands[-1].startswith(f"{README_PYTHON} -m sglang.launch_server "), commands
+    assert "--speculative-algorithm DFLASH" in commands[-1] and body.get("return_meta_info") is True
+    port = free_port()
+    script = "set -e\n" + "\n".join(commands[:-1]) + f"\nexec {commands[-1]} --port {port}\n"
+    if Path(sys.executable) != REPO / README_PYTHON:
+        script = script.replace(README_PYTHON, shlex.quote(sys.executable))
+    log = tmp_path / "readme-server.log"
+    proc = start_process(["bash", "-c", script], _clean_env(), log, cwd=REPO)
+    with serving(proc, f"http://127.0.0.1:{port}", log, timeout=max(600.0, STARTUP_TIMEOUT)) as server:
+        r = requests.post(f"{server.base_url}{route}", json=body, timeout=600)
+        assert r.status_code == 200, r.text[:2000]
+        choice = r.json()["choices"][0]
+        text = server.log_text()
+    assert choice["message"]["content"].strip()
+    meta = choice["meta_info"]
+    n, steps, hist = meta["completion_tokens"], meta["spec_verify_ct"], meta["spec_accept_histogram"]
+    assert 1 <= steps < n <= body["max_tokens"], meta  # the bundled drafter gets drafts accepted
+    assert sum(hist) == steps and sum(i * h for i, h in enumerate(hist)) == meta["spec_accepted_drafts"], meta
+    assert meta["spec_proposed_drafts"] == 15 * steps, meta  # block 16: 15 drafts per verify step
+    assert n <= 1 + meta["spec_accepted_drafts"] + steps, meta  # first token + accepted drafts + a bonus per step
+    assert meta["spec_accept_length"] == pytest.approx(n / steps), meta
+    assert "DFLASH served by sglang-dflash" in text
+    from sglang_dflash.adapter.cpu_platform import accelerator_present
+
+    if not accelerator_present():  # the plugin's CPU set-up, logged
+        assert "sglang-dflash: CPU attention backend torch_native" in text
+        assert "sglang-dflash: CPU KV pool of" in text
