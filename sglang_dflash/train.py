@@ -8,23 +8,42 @@ Many blocks per sequence are trained in one forward via a block-diagonal mask. T
 target's ``lm_head`` on the draft hidden states at block positions ``k = 1..B-1`` against the real tokens at
 ``anchor + k``, weighted by ``exp(-(k-1)/gamma)``.
 
+Scale: ``torchrun --nproc-per-node N -m sglang_dflash.train ...`` trains data-parallel (DDP over the draft; the
+frozen target is replicated on every rank). ``--batch-size`` is the global batch: each optimizer step takes
+``batch_size`` sequences, rank r trains its own contiguous slice of them in ``--grad-accum`` micro-batches, and the
+loss is normalised by the weight of the whole global batch, so N ranks follow the single-process trajectory (up to
+floating-point rounding). Response generation is sharded over the ranks too. Rank 0 alone writes checkpoints, logs
+and progress bars. The target must fit on one device (it is replicated, not sharded with FSDP); multi-node runs
+need ``--out`` and ``--cache`` on a shared filesystem. ``--resume`` continues from the newest
+``OUT/checkpoint-<step>`` (weights, optimizer, schedule, data position, RNG states), so a run can be split into
+several shorter ones (``--stop-at-step``, ``--stop-after-seconds``, or SIGTERM/SIGINT: each stops after the
+current step with a checkpoint).
+
 CLI::
 
     python -m sglang_dflash.train --target smollm2 --prompts sharegpt --num-prompts 4000 \\
         --out drafter-dir --block-size 16 --num-draft-layers 5 --steps 1500
+    torchrun --nproc-per-node 8 -m sglang_dflash.train --target MODEL --prompts sharegpt --out DIR --resume ...
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import functools
+import glob
 import gzip
 import hashlib
 import json
 import math
 import os
 import random
+import re
+import shutil
+import signal
+import sys
+import threading
 import time
 import zlib
 from dataclasses import asdict, dataclass, field
@@ -32,11 +51,12 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from .config import DFlashDraftConfig, select_target_layers
-from .data import load_prompt_file, training_prompts
+from .data import DataError, load_prompt_file, training_prompts
 from .model import DFlashDraftModel, draft_logits, load_draft, save_draft
 
 # Paper defaults for the loss-decay constant: gamma=7 (B=16), 5 (B=10), 4 (B=8).
@@ -57,10 +77,14 @@ def default_mask_token_id(tokenizer) -> int:
     vocab = tokenizer.get_vocab()
     if SMOLLM2_MASK_TOKEN in vocab:
         return int(vocab[SMOLLM2_MASK_TOKEN])
-    raise ValueError(
+    raise TrainError(
         "cannot pick a mask token: the tokenizer has no mask_token; pass --mask-token-id with the id of a "
         "special token the model never generates (e.g. an unused reserved token)"
     )
+
+
+class TrainError(ValueError):
+    """Bad training input or settings (the CLI prints the message alone)."""
 
 
 @dataclass
@@ -76,7 +100,8 @@ class TrainArgs:
     gamma: Optional[float] = None  # None -> default_gamma(block_size)
     anchors_per_seq: int = 32
     steps: int = 1000
-    batch_size: int = 16
+    batch_size: int = 16  # global: sequences per optimizer step over all ranks and micro-batches
+    grad_accum: int = 1  # micro-batches per rank and optimizer step (batch_size % (world_size * grad_accum) == 0)
     lr: float = 6e-4
     weight_decay: float = 0.0
     warmup_ratio: float = 0.04
@@ -87,18 +112,55 @@ class TrainArgs:
     # response regeneration
     num_prompts: Optional[int] = None
     max_prompt_tokens: int = 512
-    max_new_tokens: int = 256
+    max_new_tokens: int = 512
     gen_batch_size: int = 64
     gen_temperature: float = 0.0
-    checkpoint_every: int = 0
+    checkpoint_every: int = 1000  # steps between checkpoints (0: only when a run stops or ends)
+    keep_checkpoints: int = 1  # newest checkpoints that keep their resumable state (older ones keep the drafter)
     log_every: int = 10
     init_from: Optional[str] = None  # continue from a saved drafter (same config) instead of a fresh init
     # wall-clock budgets (None = unbounded). max_train_seconds sets the step count from the measured speed
-    # (re-estimated at steps 15, 50, 150 and 400, timing from step 5); the cosine schedule follows the estimate
-    # and the log records the final count (steps_run), so --steps reproduces the schedule.
+    # (re-estimated at steps 15, 50, 150 and 400, timing from step 5, in a run that starts at step 0); the cosine
+    # schedule follows the estimate and the log records the final count (steps_run), so --steps reproduces it.
     max_gen_seconds: Optional[float] = None
     max_train_seconds: Optional[float] = None
+    # splitting a run: continue from the newest checkpoint; stop this invocation early (a checkpoint is written)
+    resume: bool = False
+    stop_at_step: Optional[int] = None
+    stop_after_seconds: Optional[float] = None
     extra: dict = field(default_factory=dict)
+
+
+# Settings a resumed run may change: they do not alter the optimisation (grad_accum only regroups the sums).
+# Generation settings are free too: a resumed run trains on the checkpoint's records, it generates nothing.
+_RESUME_FREE = {"grad_accum", "checkpoint_every", "keep_checkpoints", "log_every", "init_from", "max_gen_seconds",
+                "max_train_seconds", "resume", "stop_at_step", "stop_after_seconds", "num_prompts",
+                "max_prompt_tokens", "max_new_tokens", "gen_batch_size", "gen_temperature", "extra"}
+
+
+# ------------------------------------------------------------------------------------------- distributed
+
+def init_distributed(device: Optional[str] = None) -> torch.device:
+    """The device of this process; under ``torchrun`` (``WORLD_SIZE`` > 1) also joins the process group.
+
+    Backend nccl on CUDA (rank on ``cuda:LOCAL_RANK``), gloo on CPU. Without torchrun's variables: ``device`` (or
+    cuda if available, else cpu) and no process group.
+    """
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return dev
+    if dev.type == "cuda":
+        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    return dev
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 # ------------------------------------------------------------------------------------------- response cache
@@ -128,6 +190,52 @@ def _read_cache(path: Path) -> tuple[dict[str, dict], bool]:
     return done, False
 
 
+def _repair_cache(path: Path) -> dict[str, dict]:
+    """Records of the cache at ``path`` (none if absent); a torn cache is rewritten with its complete records."""
+    if not path.is_file():
+        return {}
+    done, torn = _read_cache(path)
+    if torn:
+        with _open_cache(path, "w") as f:
+            f.writelines(json.dumps(rec) + "\n" for rec in done.values())
+    return done
+
+
+def cache_part_path(cache_path: Path, rank: int) -> Path:
+    """The plain-JSONL file where rank ``rank`` of a data-parallel run appends its responses before the merge."""
+    return cache_path.with_name(f"{cache_path.name}.rank{rank}.jsonl")
+
+
+def merge_cache_parts(cache_path: str | os.PathLike) -> int:
+    """Append the records of every rank's part file (`cache_part_path`) that the cache lacks, then delete the
+    parts. Idempotent (an interrupted merge is finished by the next). Returns the number of records added."""
+    cache_path = Path(cache_path)
+    parts = sorted(cache_path.parent.glob(glob.escape(cache_path.name) + ".rank*.jsonl"))
+    if not parts:
+        return 0
+    done = _repair_cache(cache_path)
+    added = 0
+    with _open_cache(cache_path, "a") as out:
+        for part in parts:
+            for key, rec in _read_cache(part)[0].items():
+                if key not in done:
+                    done[key] = rec
+                    out.write(json.dumps(rec) + "\n")
+                    added += 1
+        out.flush()
+    for part in parts:
+        part.unlink()
+    return added
+
+
+def _progress_bar(total: int, desc: str, show: bool, initial: int = 0):
+    """A tqdm bar on stderr (refreshed every 30 s when stderr is not a terminal, e.g. a log file)."""
+    from tqdm import tqdm
+
+    interval = 0.5 if sys.stderr.isatty() else 30.0
+    return tqdm(total=total, initial=initial, desc=desc, disable=not show, mininterval=interval, dynamic_ncols=True)
+
+
 @torch.no_grad()
 def generate_responses(
     target,
@@ -143,35 +251,46 @@ def generate_responses(
     max_seconds: Optional[float] = None,
     progress: bool = True,
     server_url: Optional[str] = None,
+    shard: tuple[int, int] = (0, 1),
+    stop: Optional[threading.Event] = None,
 ) -> list[dict]:
     """Regenerate responses with the target itself; resumable JSONL cache ``{key, prompt_ids, response_ids}``.
 
     ``prompts`` are fully rendered (chat-formatted) texts. Prompts longer than ``max_prompt_tokens`` are skipped.
     Responses stop at the target's EOS (kept as the last token). Prompts are taken in order, in groups of
-    ``4 * batch_size`` sorted by length (little padding). With ``max_seconds``, generation stops after the batch
-    that crosses the budget (rerun to resume). Returns the cached records in prompt order.
+    ``4 * batch_size`` sorted by length (little padding). With ``max_seconds`` (or once ``stop`` is set),
+    generation stops after the current batch (rerun to resume). The progress bar shows the generated tokens per
+    second. Returns the records it knows (cache, plus its part with ``shard``) in prompt order.
 
     ``server_url``: send each batch to a running SGLang server of the same target (``POST /generate`` with
     ``input_ids``; much faster than ``target.generate``) instead of generating in-process.
 
+    ``shard=(rank, world_size)``: generate every ``world_size``-th missing prompt from ``rank`` on, appending to
+    `cache_part_path` (the cache itself is only read; `merge_cache_parts` folds the parts in). Unsharded, parts
+    left by an interrupted data-parallel run are merged first.
+
     A cache named ``*.gz`` is gzip-compressed (about a third of the size). A cache an interrupted run left with an
     incomplete last record is rewritten with the complete ones before new records are appended.
     """
-    from tqdm import tqdm
-
     cache_path = Path(cache_path)
     cache_path.parent.mkdir(parents=True, exist_ok=True)
-    done: dict[str, dict] = {}
-    if cache_path.is_file():
-        done, torn = _read_cache(cache_path)
-        if torn:
-            with _open_cache(cache_path, "w") as f:
-                f.writelines(json.dumps(rec) + "\n" for rec in done.values())
+    rank, world = shard
+    if world == 1:
+        merge_cache_parts(cache_path)
+        done = _repair_cache(cache_path)
+        write_path = cache_path
+    else:
+        done = _read_cache(cache_path)[0] if cache_path.is_file() else {}
+        write_path = cache_part_path(cache_path, rank)
+        done.update(_repair_cache(write_path))
     keys = [_prompt_key(p) for p in prompts]
-    todo = []
+    missing, seen = [], set()
     for key, text in zip(keys, prompts):
-        if key in done:
-            continue
+        if key not in done and key not in seen:
+            seen.add(key)
+            missing.append((key, text))
+    todo = []
+    for key, text in missing[rank::world]:
         ids = tokenizer(text, add_special_tokens=False).input_ids
         if 0 < len(ids) <= max_prompt_tokens:
             todo.append((key, ids))
@@ -185,12 +304,14 @@ def generate_responses(
     else:
         generate = functools.partial(_generate_hf, target, pad_id=pad_id, eos=eos, max_new_tokens=max_new_tokens,
                                      temperature=temperature)
-        torch.manual_seed(seed)  # sampling draws from the global generator
-    bar = tqdm(total=len(todo), desc="generate", disable=not progress or not todo)
+        torch.manual_seed(seed + rank)  # sampling draws from the global generator
+    desc = "generate" if world == 1 else f"generate (rank {rank} of {world})"
+    bar = _progress_bar(len(todo), desc, progress and bool(todo))
     t0 = time.time()
-    with _open_cache(cache_path, "a") as out:
+    n_tokens = n_done = 0
+    with _open_cache(write_path, "a") as out:
         for start in range(0, len(todo), batch_size):
-            if max_seconds is not None and time.time() - t0 > max_seconds:
+            if (max_seconds is not None and time.time() - t0 >= max_seconds) or (stop is not None and stop.is_set()):
                 break
             chunk = todo[start:start + batch_size]
             responses = generate([ids for _, ids in chunk])
@@ -201,10 +322,17 @@ def generate_responses(
                         break
                 rec = {"key": key, "prompt_ids": ids, "response_ids": resp}
                 done[key] = rec
+                n_tokens += len(resp)
                 out.write(json.dumps(rec) + "\n")
             out.flush()
+            n_done += len(chunk)
             bar.update(len(chunk))
+            bar.set_postfix_str(f"{n_tokens / max(time.time() - t0, 1e-9):.0f} tok/s", refresh=False)
     bar.close()
+    if progress and n_done:
+        secs = time.time() - t0
+        print(f"{desc}: {n_done} responses, {n_tokens} tokens in {secs:.0f} s ({n_tokens / max(secs, 1e-9):.0f} "
+              f"tok/s); {len(todo) - n_done} prompts left", file=sys.stderr, flush=True)
     return [done[k] for k in keys if k in done]
 
 
@@ -254,7 +382,7 @@ def _eos_ids(target, tokenizer) -> list[int]:
     if eos is None:
         eos = tokenizer.eos_token_id
     if eos is None:
-        raise ValueError("the target has no eos_token_id; set generation_config.eos_token_id")
+        raise TrainError("the target has no eos_token_id; set generation_config.eos_token_id")
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
@@ -335,20 +463,49 @@ def loss_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------- loss
 
-def dflash_loss(
-    draft: DFlashDraftModel,
+class DraftForward(nn.Module):
+    """The draft's trainable computation as one module call (what DDP wraps): target features ``[b, T, n*H]``,
+    block embeddings ``[b, A*B, H]``, block positions ``[b, A*B]`` and mask ``[b, A*B, T + A*B]`` -> draft hidden
+    states ``[b, A*B, H]``."""
+
+    def __init__(self, draft: DFlashDraftModel):
+        super().__init__()
+        self.draft = draft
+
+    def forward(self, feats: torch.Tensor, block_embeds: torch.Tensor, block_positions: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        b, t = feats.shape[:2]
+        ctx = self.draft.project_context(feats)
+        ctx_kv = self.draft.context_kv(ctx, torch.arange(t, device=feats.device).expand(b, t))
+        return self.draft(block_embeds, block_positions, ctx_kv, attn_mask=mask)
+
+
+# Layout of the per-batch sums behind the metrics (summed over micro-batches and ranks before the division):
+# weighted CE, weight, correct, supervised, correct at position 1, supervised at position 1, full blocks,
+# sum of accept lengths, sum of inverse accept lengths, then for k = 1..B-1 the full blocks whose position k is
+# accepted (leading-correct count >= k).
+_SUM_KEYS = ("ce_w", "w", "correct", "supervised", "correct1", "supervised1", "full", "len", "inv_len")
+
+
+def label_weight_sum(batch: Batch, block_size: int, gamma: float) -> float:
+    """Total loss weight of a batch's supervised block positions (float64): the denominator of the weighted CE."""
+    _, _, ok = block_labels(batch, block_size)
+    return float((loss_weights(block_size, gamma).double() * ok.double()).sum())
+
+
+def block_loss(
+    forward: nn.Module,
+    cfg: DFlashDraftConfig,
     target,
     batch: Batch,
     gamma: float,
+    weight_total: float,
     autocast_dtype: Optional[torch.dtype] = None,
-) -> tuple[torch.Tensor, dict]:
-    """Weighted block cross-entropy for one batch. Returns (loss, metrics) with metrics ``loss``, ``acc`` (top-1
-    over all supervised positions), ``acc1`` (first draft position), ``tau`` (mean accepted length + 1 over
-    blocks whose B-1 labels all exist: acceptance averaged over anchor positions) and ``tau_steps`` (the harmonic
-    mean of the same per-block lengths: an estimate of tokens per verify step, which is what decoding reports).
-    Decoding takes few steps through easy stretches and many through hard ones, so its tokens per step sits near
-    the harmonic mean; the plain mean overstates it whenever difficulty varies along the text."""
-    cfg = draft.cfg
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, sums) of one micro-batch: ``loss`` = its weighted block cross-entropy divided by ``weight_total``
+    (the weight of the whole global batch, `label_weight_sum`), so the micro-batch losses of all ranks add up to
+    the global batch's loss; ``sums`` float64 ``[len(_SUM_KEYS) + B - 1]`` for `metrics_from_sums`.
+    ``forward``: a `DraftForward` (possibly DDP-wrapped)."""
     blk = cfg.block_size
     ids, am = batch.input_ids, batch.attention_mask
     b, t = ids.shape
@@ -357,7 +514,7 @@ def dflash_loss(
     embed = target.get_input_embeddings()
     lm_head = target.get_output_embeddings()
     ac = torch.autocast(dev.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
-    with torch.no_grad():
+    with torch.no_grad(), ac:
         hs = target.base_model(input_ids=ids, attention_mask=am, output_hidden_states=True).hidden_states
         feats = torch.cat([hs[i + 1] for i in cfg.target_layer_ids], dim=-1)  # [b, T, n*H]
         del hs
@@ -368,29 +525,60 @@ def dflash_loss(
         weights = loss_weights(blk, gamma, dev)
         mask = block_attention_mask(batch.anchors, t, blk)
     with ac:
-        ctx = draft.project_context(feats)
-        positions = torch.arange(t, device=dev).expand(b, t)
-        ctx_kv = draft.context_kv(ctx, positions)
-        hidden = draft(block_embeds, label_pos.view(b, -1), ctx_kv, attn_mask=mask).view(b, a, blk, -1)
+        hidden = forward(feats, block_embeds, label_pos.view(b, -1), mask).view(b, a, blk, -1)
         sel = label_ok.nonzero(as_tuple=True)
         logits = draft_logits(cfg, lm_head(hidden[sel]))  # [N, V]
     ce = F.cross_entropy(logits.float(), labels[sel], reduction="none")
     w = weights[sel[2]]
-    loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
+    ce_w = (ce * w).sum()
+    loss = ce_w / max(weight_total, 1e-6)
     with torch.no_grad():
         correct_flat = logits.argmax(-1) == labels[sel]
         correct = torch.zeros((b, a, blk), dtype=torch.bool, device=dev)
         correct[sel] = correct_flat
         full = label_ok[:, :, 1:].all(-1)  # blocks with every label present
-        lead = correct[:, :, 1:].long().cumprod(-1).sum(-1)  # leading correct drafts
-        metrics = {
-            "loss": float(loss),
-            "acc": float(correct_flat.float().mean()) if correct_flat.numel() else 0.0,
-            "acc1": float(correct[:, :, 1][label_ok[:, :, 1]].float().mean()) if label_ok[:, :, 1].any() else 0.0,
-            "tau": float((lead[full].float() + 1).mean()) if full.any() else float("nan"),
-            "tau_steps": float(1.0 / (1.0 / (lead[full].float() + 1)).mean()) if full.any() else float("nan"),
-        }
-    return loss, metrics
+        lead = correct[:, :, 1:].long().cumprod(-1).sum(-1)[full].double()  # leading correct drafts [n_full]
+        ok1 = label_ok[:, :, 1]
+        accepted = (lead[:, None] >= torch.arange(1, blk, device=dev, dtype=torch.float64)).sum(0)  # [B-1]
+        head = [ce_w.detach(), w.sum(), correct_flat.sum(), correct_flat.new_tensor(correct_flat.numel(),
+                dtype=torch.float64), correct[:, :, 1][ok1].sum(), ok1.sum(), full.sum(), (lead + 1).sum(),
+                (1.0 / (lead + 1)).sum()]
+        sums = torch.cat((torch.stack([x.double() for x in head]), accepted.double()))
+    return loss, sums
+
+
+def metrics_from_sums(sums: Sequence[float]) -> dict:
+    """Step metrics from `block_loss` sums: ``loss`` (weighted CE), ``acc`` (top-1 over all supervised
+    positions), ``acc1`` (first draft position), ``tau`` (mean accepted length + 1 over blocks whose B-1 labels
+    all exist: acceptance averaged over anchor positions), ``tau_steps`` (the harmonic mean of the same per-block
+    lengths: an estimate of tokens per verify step, which is what decoding reports) and ``accept`` (per draft
+    position k = 1..B-1, the fraction of those blocks whose position k is accepted; ``tau = 1 + sum(accept)``).
+    Decoding takes few steps through easy stretches and many through hard ones, so its tokens per step sits near
+    the harmonic mean; the plain mean overstates it whenever difficulty varies along the text."""
+    s = dict(zip(_SUM_KEYS, sums))
+    accepted = list(sums[len(_SUM_KEYS):])
+    nan = float("nan")
+    return {
+        "loss": s["ce_w"] / max(s["w"], 1e-6),
+        "acc": s["correct"] / s["supervised"] if s["supervised"] else 0.0,
+        "acc1": s["correct1"] / s["supervised1"] if s["supervised1"] else 0.0,
+        "tau": s["len"] / s["full"] if s["full"] else nan,
+        "tau_steps": s["full"] / s["inv_len"] if s["full"] else nan,
+        "accept": [n / s["full"] if s["full"] else nan for n in accepted],
+    }
+
+
+def dflash_loss(
+    draft: DFlashDraftModel,
+    target,
+    batch: Batch,
+    gamma: float,
+    autocast_dtype: Optional[torch.dtype] = None,
+) -> tuple[torch.Tensor, dict]:
+    """Weighted block cross-entropy of one batch on its own: (loss, `metrics_from_sums` metrics)."""
+    weight = label_weight_sum(batch, draft.cfg.block_size, gamma)
+    loss, sums = block_loss(DraftForward(draft), draft.cfg, target, batch, gamma, weight, autocast_dtype)
+    return loss, metrics_from_sums(sums.tolist())
 
 
 def cosine_lr(step: int, total: int, warmup: int, peak: float) -> float:
@@ -412,13 +600,86 @@ def build_draft_config(target_config, tokenizer, args: TrainArgs) -> DFlashDraft
     if args.sliding_window is not None:
         n_sliding = n if args.num_sliding_layers is None else args.num_sliding_layers
         if not 0 <= n_sliding <= n:
-            raise ValueError(f"--num-sliding-layers={n_sliding} must be in [0, --num-draft-layers={n}].")
+            raise TrainError(f"--num-sliding-layers={n_sliding} must be in [0, --num-draft-layers={n}].")
     layer_types = ["full_attention"] * (n - n_sliding) + ["sliding_attention"] * n_sliding
     cfg = DFlashDraftConfig.from_target(target_config, num_hidden_layers=n, mask_token_id=mask_id,
                                         block_size=args.block_size, target_layer_ids=ids, layer_types=layer_types,
                                         sliding_window=args.sliding_window if n_sliding else None)
     cfg.validate_target(target_config)
     return cfg
+
+
+def latest_checkpoint(out_dir: str | os.PathLike) -> Optional[Path]:
+    """The resumable checkpoint (``checkpoint-<step>`` with ``trainer_state.pt``) of the highest step, or None."""
+    found = []
+    for path in Path(out_dir).glob("checkpoint-*"):
+        m = re.fullmatch(r"checkpoint-(\d+)", path.name)
+        if m and (path / "trainer_state.pt").is_file():
+            found.append((int(m.group(1)), path))
+    return max(found)[1] if found else None
+
+
+def load_prompts(prompts: Sequence[str] | str | os.PathLike, num_prompts: Optional[int], seed: int) -> list[str]:
+    """Raw training prompts: a list as given; one prompt file in file order; otherwise `training_prompts` of
+    the comma-separated set names / files (eval sets excluded, deduplicated, shuffled). First ``num_prompts``."""
+    if not isinstance(prompts, (str, os.PathLike)):
+        return list(prompts)[:num_prompts]
+    spec = os.fspath(prompts)
+    if "," not in spec and Path(spec).is_file():
+        return load_prompt_file(spec)[:num_prompts]
+    return training_prompts(spec, num_prompts=num_prompts, seed=seed)
+
+
+def _rng_state(device: torch.device) -> dict:
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _check_resume_args(saved: dict, args: TrainArgs, ckpt: Path) -> None:
+    mine = asdict(args)
+    diff = {k: (saved.get(k), v) for k, v in mine.items() if k not in _RESUME_FREE and saved.get(k) != v}
+    if diff:
+        raise TrainError(f"--resume: {ckpt} was written with other settings (saved, requested): {diff}; pass the "
+                         "saved values, or a new --out to start another run")
+
+
+def _write_json(path: Path, log: dict) -> None:
+    """Write the training log atomically, one history row per line."""
+    body = {k: v for k, v in log.items() if k != "history"}
+    text = json.dumps(body, indent=1)[:-2]
+    rows = ",\n  ".join(json.dumps(h) for h in log.get("history", []))
+    text += f',\n "history": [\n  {rows}\n ]\n}}\n' if rows else ',\n "history": []\n}\n'
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _write_checkpoint(out_dir: Path, step: int, draft: DFlashDraftModel, state: dict, keep: int) -> Path:
+    """``out_dir/checkpoint-<step>``: the drafter in z-lab format (bf16, what `load_draft` reads) and
+    ``trainer_state.pt`` (float32 weights, optimizer, schedule, data position, RNG states, history). Written to a
+    hidden temporary directory and renamed; then older checkpoints beyond ``keep`` lose their resumable state
+    (their drafter stays)."""
+    final = out_dir / f"checkpoint-{step}"
+    tmp = out_dir / f".checkpoint-{step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    _save(draft, tmp)
+    torch.save(state, tmp / "trainer_state.pt")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    resumable = sorted((int(p.name.split("-")[1]), p) for p in out_dir.glob("checkpoint-*")
+                       if re.fullmatch(r"checkpoint-\d+", p.name) and (p / "trainer_state.pt").is_file())
+    for _, old in resumable[:-max(1, keep)]:
+        (old / "trainer_state.pt").unlink()
+    return final
 
 
 def train(
@@ -432,73 +693,136 @@ def train(
     log_path: str | os.PathLike | None = None,
     progress: bool = True,
     response_server: Optional[str] = None,
+    generate_only: bool = False,
+    stop: Optional[threading.Event] = None,
 ) -> Path:
     """Train a drafter for ``target`` (a loaded HF causal LM on its device; frozen) and save it to ``out_dir``.
 
-    ``prompts``: raw user texts, ``"sharegpt"``, or a ShareGPT-style JSON/JSONL / plain JSONL prompt file; they
-    are rendered with the tokenizer's chat template when it has one. Responses are regenerated by the target
-    and cached to ``cache_path`` (default ``out_dir/responses.jsonl``). The loss curve goes to ``log_path``
-    (default ``out_dir/train_log.json``). ``response_server``: URL of an SGLang server of the same target that
-    regenerates the responses (see :func:`generate_responses`). Returns ``out_dir``.
+    ``prompts``: raw user texts, or ``--prompts``'s spec for `load_prompts` (set names such as ``"sharegpt"``,
+    ShareGPT-style JSON/JSONL or plain JSONL prompt files); they are rendered with the tokenizer's chat template
+    when it has one. Responses are regenerated by the target and cached to ``cache_path`` (default
+    ``out_dir/responses.jsonl``). The curves go to ``log_path`` (default ``out_dir/train_log.json``).
+    ``response_server``: URL of an SGLang server of the same target that regenerates the responses (see
+    :func:`generate_responses`). ``generate_only``: stop after the responses. ``stop``: once set, generation stops
+    after its current batch and training after its current step (with a checkpoint). Returns ``out_dir``.
+
+    In a process group (``torchrun``, `init_distributed`) every rank calls this with its own replica of the
+    target; the rules are in the module docstring. ``args.resume`` continues from `latest_checkpoint`
+    (``out_dir`` on a filesystem every rank sees), or starts afresh when there is none. The final drafter lands
+    in ``out_dir`` only when the schedule is complete; the log's ``finished`` says which.
     """
-    from tqdm import tqdm
-
-    from .data import apply_chat
-
+    rank, world = _rank_world()
+    show = progress and rank == 0
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cache_path = Path(cache_path) if cache_path is not None else out_dir / "responses.jsonl"
     log_path = Path(log_path) if log_path is not None else out_dir / "train_log.json"
+    micro_batches = world * args.grad_accum
+    if args.grad_accum < 1 or args.batch_size % micro_batches:
+        raise TrainError(f"--batch-size {args.batch_size} must be a multiple of world size x --grad-accum = "
+                         f"{world} x {args.grad_accum}")
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     device = next(target.parameters()).device
     target.eval().requires_grad_(False)
-
-    if isinstance(prompts, (str, os.PathLike)):
-        texts = (training_prompts(num_prompts=args.num_prompts, seed=args.seed) if str(prompts) == "sharegpt"
-                 else load_prompt_file(prompts)[: args.num_prompts])
+    stop = stop or threading.Event()
+    ckpt = latest_checkpoint(out_dir) if args.resume else None
+    saved = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True) if ckpt else None
+    if saved is not None:
+        _check_resume_args(saved["args"], args, ckpt)
+        records = _records_by_key(cache_path, saved["data"]["keys"])
+        gen_s = saved["generate_seconds"]
+        if show:
+            print(f"resuming from {ckpt} (step {saved['step']} of {saved['total_steps']})", file=sys.stderr)
     else:
-        texts = list(prompts)[: args.num_prompts]
-    rendered = apply_chat(texts, tokenizer if getattr(tokenizer, "chat_template", None) else None)
-    t0 = time.time()
-    records = generate_responses(target, tokenizer, rendered, cache_path, max_new_tokens=args.max_new_tokens,
-                                 batch_size=args.gen_batch_size, temperature=args.gen_temperature,
-                                 max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
-                                 max_seconds=args.max_gen_seconds, progress=progress, server_url=response_server)
-    records = [r for r in records if len(r["response_ids"]) >= 2 and len(r["prompt_ids"]) < args.max_seq_len - 2]
-    if not records:
-        raise ValueError("no usable training sequences (every response shorter than 2 tokens); check the prompts")
-    gen_s = time.time() - t0
+        if args.resume and show:
+            print(f"--resume: no checkpoint in {out_dir}; starting at step 0", file=sys.stderr)
+        t0 = time.time()
+        records = _generate(target, tokenizer, prompts, cache_path, args, show, response_server, stop)
+        gen_s = time.time() - t0
+        if generate_only or _any_rank(stop.is_set(), device):
+            return out_dir
+        records = [r for r in records
+                   if len(r["response_ids"]) >= 2 and len(r["prompt_ids"]) < args.max_seq_len - 2]
+        if not records:
+            raise TrainError("no usable training sequences (every response shorter than 2 tokens); check the prompts")
 
     cfg = build_draft_config(target.config, tokenizer, args)
     gamma = args.gamma if args.gamma is not None else default_gamma(args.block_size)
     draft = DFlashDraftModel(cfg).to(device=device, dtype=torch.float32)
-    if args.init_from:
+    if saved is not None:
+        draft.load_state_dict(saved["model"])
+    elif args.init_from:
         _load_init(draft, args.init_from)
     else:
         _init_weights(draft, seed=args.seed, final_norm=getattr(target.base_model, "norm", None))
+    forward: nn.Module = DraftForward(draft)
+    if world > 1:
+        forward = nn.parallel.DistributedDataParallel(forward, device_ids=[device.index] if device.type == "cuda"
+                                                      else None, broadcast_buffers=False)
     autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
     opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
                             fused=device.type == "cuda")
-    total_steps = args.steps
-    warmup = _warmup(args, total_steps)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else _eos_ids(target, tokenizer)[0]
     rng = random.Random(args.seed)
     order: list[int] = []
-    history = []
-    bar = tqdm(total=total_steps, desc="train", disable=not progress)
-    t1 = time.time()
-    step = 0
+    history: list[dict] = []
+    step, total_steps, warmup, train_s = 0, args.steps, _warmup(args, args.steps), 0.0
+    if saved is not None:
+        opt.load_state_dict(saved["optimizer"])
+        step, total_steps, warmup = saved["step"], saved["total_steps"], saved["warmup"]
+        train_s = saved["train_seconds"]
+        order = list(saved["data"]["order"])
+        rng.setstate(_as_tuple(saved["data"]["rng"]))
+        history = list(saved["history"])
+        if len(saved["rng"]) == world:
+            _set_rng_state(_rng_tuple(saved["rng"][rank]), device)
+        elif show:
+            print(f"--resume: the checkpoint's RNG states are of {len(saved['rng'])} ranks, this run has {world}: "
+                  "the global RNGs start from --seed", file=sys.stderr)
+    start_step = step
+    keys = [r["key"] for r in records]
+    per_micro = args.batch_size // micro_batches
+
+    def log_dict(finished: bool) -> dict:
+        return {
+            "args": asdict(args), "gamma": gamma, "steps_run": total_steps, "steps_done": step, "finished": finished,
+            "world_size": world, "draft_config": cfg.to_dict(), "num_sequences": len(records),
+            "num_response_tokens": sum(len(r["response_ids"]) for r in records),
+            "generate_seconds": round(gen_s, 1), "train_seconds": round(train_s, 1), "history": history,
+        }
+
+    def checkpoint() -> None:
+        rng_states = [None] * world
+        if world > 1:
+            dist.all_gather_object(rng_states, _rng_state(device))
+        else:
+            rng_states[0] = _rng_state(device)
+        if rank == 0:
+            state = {
+                "format": 1, "step": step, "total_steps": total_steps, "warmup": warmup, "args": asdict(args),
+                "model": {k: v.detach().to("cpu", copy=True) for k, v in draft.state_dict().items()},
+                "optimizer": opt.state_dict(), "data": {"keys": keys, "order": order, "rng": rng.getstate()},
+                "rng": rng_states, "history": history, "generate_seconds": gen_s, "train_seconds": train_s,
+                "world_size": world,
+            }
+            _write_checkpoint(out_dir, step, draft, state, args.keep_checkpoints)
+            _write_json(log_path, log_dict(finished=False))
+
+    bar = _progress_bar(total_steps, "train", show, initial=step)
+    t1 = time.time() - train_s  # wall clock of this run, continued from the checkpoint's
+    run_t0 = time.time()
     calib_t = 0.0
-    while step < total_steps:
-        if args.max_train_seconds is not None and step in (5, 15, 50, 150, 400):
+    stopped = args.stop_at_step is not None and start_step >= args.stop_at_step and step < total_steps
+    while step < total_steps and not stopped:
+        if args.max_train_seconds is not None and start_step == 0 and step in (5, 15, 50, 150, 400):
             _sync(device)
             if step == 5:
                 calib_t = time.time()
             else:
                 per_step = (time.time() - calib_t) / (step - 5)
                 budget_steps = int((args.max_train_seconds - (time.time() - t1)) / per_step) + step
-                total_steps = max(step + 1, min(args.steps, budget_steps))
+                total_steps = _from_rank0(max(step + 1, min(args.steps, budget_steps)), device)
                 warmup = _warmup(args, total_steps)
                 bar.total = total_steps
         if len(order) < args.batch_size:
@@ -507,42 +831,123 @@ def train(
             order.extend(perm)
         picked = [records[i] for i in order[: args.batch_size]]
         del order[: args.batch_size]
-        batch = make_batch(picked, args.anchors_per_seq, args.max_seq_len, pad_id, rng).to(device)
+        # every rank builds the whole global batch (same anchors: one RNG stream) and trains its own slice
+        micro = [make_batch(picked[i * per_micro:(i + 1) * per_micro], args.anchors_per_seq, args.max_seq_len,
+                            pad_id, rng) for i in range(micro_batches)]
+        weight_total = sum(label_weight_sum(mb, args.block_size, gamma) for mb in micro)
         lr = cosine_lr(step, total_steps, warmup, args.lr)
         for group in opt.param_groups:
             group["lr"] = lr
-        loss, metrics = dflash_loss(draft, target, batch, gamma, autocast_dtype)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        mine = micro[rank * args.grad_accum:(rank + 1) * args.grad_accum]
+        sums = None
+        for i, mb in enumerate(mine):
+            last = i == len(mine) - 1
+            with contextlib.nullcontext() if world == 1 or last else forward.no_sync():
+                loss, s = block_loss(forward, cfg, target, mb.to(device), gamma, weight_total, autocast_dtype)
+                (loss * world).backward()  # DDP averages the ranks' gradients: the sum is what the loss means
+            sums = s if sums is None else sums + s
         gnorm = torch.nn.utils.clip_grad_norm_(draft.parameters(), args.grad_clip)
         opt.step()
-        metrics.update(step=step + 1, lr=lr, grad_norm=float(gnorm))
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        wants_stop = stop.is_set() or (args.stop_at_step is not None and step >= args.stop_at_step) or (
+            args.stop_after_seconds is not None and time.time() - run_t0 >= args.stop_after_seconds)
+        sums = torch.cat((sums, sums.new_tensor([float(wants_stop)])))
+        if world > 1:
+            dist.all_reduce(sums)
+        sums = sums.tolist()
+        metrics = metrics_from_sums(sums[:-1])
+        metrics.update(step=step, lr=lr, grad_norm=float(gnorm))
         history.append(metrics)
+        train_s = time.time() - t1
         bar.update(1)
-        if (step + 1) % args.log_every == 0 or step == 0 or step + 1 == total_steps:
+        if step % args.log_every == 0 or step == 1 or step == total_steps:
             recent = history[-args.log_every:]
             bar.set_postfix(loss=f"{_mean(recent, 'loss'):.3f}", acc=f"{_mean(recent, 'acc'):.3f}",
-                            tau=f"{_mean(recent, 'tau'):.2f}", tau_steps=f"{_mean(recent, 'tau_steps'):.2f}")
-        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < total_steps:
-            _save(draft, out_dir / f"checkpoint-{step + 1}")
-        step += 1
+                            tau=f"{_mean(recent, 'tau'):.2f}", tau_steps=f"{_mean(recent, 'tau_steps'):.2f}",
+                            refresh=False)
+        stopped = sums[-1] > 0 and step < total_steps
+        if stopped or step == total_steps or (args.checkpoint_every and step % args.checkpoint_every == 0):
+            checkpoint()
+        if stopped:
+            break
     bar.close()
-    train_s = time.time() - t1
-    _save(draft, out_dir)
-    log = {
-        "args": asdict(args),
-        "gamma": gamma,
-        "steps_run": total_steps,
-        "draft_config": cfg.to_dict(),
-        "num_sequences": len(records),
-        "num_response_tokens": sum(len(r["response_ids"]) for r in records),
-        "generate_seconds": round(gen_s, 1),
-        "train_seconds": round(train_s, 1),
-        "history": history,
-    }
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log_path.write_text(json.dumps(log, indent=1))
+    if stopped:
+        if show:
+            print(f"stopped at step {step} of {total_steps}: {out_dir}/checkpoint-{step}; rerun with --resume to "
+                  "continue", file=sys.stderr)
+        return out_dir
+    if rank == 0:
+        _save(draft, out_dir)
+        _write_json(log_path, log_dict(finished=True))
     return out_dir
+
+
+def _generate(target, tokenizer, prompts, cache_path: Path, args: TrainArgs, show: bool,
+              response_server: Optional[str], stop: threading.Event) -> list[dict]:
+    """The training records (cache records of the prompts, in prompt order) after generating the missing ones;
+    in a process group each rank generates its shard and rank 0 merges the parts."""
+    from .data import apply_chat
+
+    texts = load_prompts(prompts, args.num_prompts, args.seed)
+    rendered = apply_chat(texts, tokenizer if getattr(tokenizer, "chat_template", None) else None)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch_size,
+                  temperature=args.gen_temperature, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
+                  max_seconds=args.max_gen_seconds, progress=show, server_url=response_server, stop=stop)
+    rank, world = _rank_world()
+    if world == 1:
+        return generate_responses(target, tokenizer, rendered, cache_path, **kwargs)
+    # ranks finish their shards at different times: wait on a gloo group with a generous timeout
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=7))
+    if rank == 0:
+        merge_cache_parts(cache_path)
+        _repair_cache(cache_path)
+    dist.barrier(group=group)
+    generate_responses(target, tokenizer, rendered, cache_path, shard=(rank, world), **kwargs)
+    dist.barrier(group=group)
+    if rank == 0:
+        merge_cache_parts(cache_path)
+    dist.barrier(group=group)
+    dist.destroy_process_group(group)
+    done = _read_cache(cache_path)[0] if cache_path.is_file() else {}
+    return [done[k] for k in map(_prompt_key, rendered) if k in done]
+
+
+def _records_by_key(cache_path: Path, keys: list[str]) -> list[dict]:
+    """The checkpoint's training records, looked up in the response cache."""
+    done = _read_cache(cache_path)[0] if cache_path.is_file() else {}
+    missing = sum(k not in done for k in keys)
+    if missing:
+        raise TrainError(f"--resume: the response cache {cache_path} lacks {missing} of the checkpoint's "
+                         f"{len(keys)} training records; pass the --cache of the run that wrote the checkpoint")
+    return [done[k] for k in keys]
+
+
+def _as_tuple(x):
+    """``random.Random.getstate()`` back from a checkpoint (lists -> tuples)."""
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def _rng_tuple(state: dict) -> dict:
+    return {**state, "python": _as_tuple(state["python"])}
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when ``flag`` is true on any rank (the flag itself without a process group)."""
+    if _rank_world()[1] == 1:
+        return flag
+    t = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(t)
+    return bool(t.item() > 0)
+
+
+def _from_rank0(value: int, device: torch.device) -> int:
+    """Rank 0's ``value`` on every rank (the value itself without a process group)."""
+    if _rank_world()[1] == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.long, device=device)
+    dist.broadcast(t, 0)
+    return int(t.item())
 
 
 def _warmup(args: TrainArgs, total_steps: int) -> int:
@@ -584,7 +989,7 @@ def _load_init(draft: DFlashDraftModel, path: str) -> None:
         diff["target_layer_ids/mask_token_id"] = ((prev.cfg.target_layer_ids, prev.cfg.mask_token_id),
                                                   (draft.cfg.target_layer_ids, draft.cfg.mask_token_id))
     if diff:
-        raise ValueError(f"--init-from {path}: its config differs from this run's (saved, requested): {diff}; "
+        raise TrainError(f"--init-from {path}: its config differs from this run's (saved, requested): {diff}; "
                          "pass the same --block-size/--num-draft-layers/--target-layer-ids/--mask-token-id")
     with torch.no_grad():
         draft.load_state_dict({k: v.to(draft.device) for k, v in prev.state_dict().items()})
@@ -618,16 +1023,42 @@ def _int_list(s: Optional[str]) -> Optional[list[int]]:
     return [int(x) for x in s.split(",")] if s else None
 
 
+@contextlib.contextmanager
+def _stop_on_signals(stop: threading.Event):
+    """SIGTERM / SIGINT set ``stop`` (the run ends after the current batch or step, with a checkpoint); a second
+    one interrupts at once. Yields the list of the signals received."""
+    received: list[int] = []
+
+    def handler(signum, frame):
+        if stop.is_set():
+            raise KeyboardInterrupt
+        received.append(signum)
+        stop.set()
+        print(f"signal {signum}: stopping after the current step (again to interrupt now)", file=sys.stderr,
+              flush=True)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield received
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     d = TrainArgs()
-    p = argparse.ArgumentParser(description="Train a DFlash drafter for a Hugging Face causal LM.")
+    p = argparse.ArgumentParser(
+        description="Train a DFlash drafter for a Hugging Face causal LM (data-parallel under torchrun).")
     p.add_argument("--target", required=True, help="HF model dir/id, or 'smollm2' (converted SmolLM2-135M-Instruct)")
-    p.add_argument("--prompts", default="sharegpt", help="'sharegpt' (eval sets excluded) or a JSON/JSONL file")
-    p.add_argument("--out", required=True, help="output drafter directory (z-lab format)")
+    p.add_argument("--prompts", default="sharegpt",
+                   help="comma-separated prompt sets and/or files: 'sharegpt' (every user turn), 'gpqa', "
+                   "'aime2025' (installed packages; eval sets excluded), ShareGPT-style JSON/JSONL or plain JSONL "
+                   "files (a single file is used as is, in file order)")
+    p.add_argument("--out", required=True, help="output drafter directory (z-lab format) and its checkpoints")
     p.add_argument("--cache", default=None, help="responses JSONL cache, gzip-compressed if it ends in .gz "
                    "(default OUT/responses.jsonl)")
-    p.add_argument("--log-json", default=None, help="loss-curve JSON (default OUT/train_log.json)")
-    p.add_argument("--device", default=None)
+    p.add_argument("--log-json", default=None, help="training-curve JSON (default OUT/train_log.json)")
+    p.add_argument("--device", default=None, help="default: cuda (cuda:LOCAL_RANK under torchrun) if available")
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--num-draft-layers", type=int, default=d.num_draft_layers)
     p.add_argument("--target-layer-ids", default=None, help="comma list (default: select_target_layers)")
@@ -639,7 +1070,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--gamma", type=float, default=None)
     p.add_argument("--anchors-per-seq", type=int, default=d.anchors_per_seq)
     p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--batch-size", type=int, default=d.batch_size,
+                   help="global batch (sequences per optimizer step, over all ranks and micro-batches)")
+    p.add_argument("--grad-accum", type=int, default=d.grad_accum,
+                   help="micro-batches per rank and step (batch size / (ranks x grad-accum) sequences each)")
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--warmup-ratio", type=float, default=d.warmup_ratio)
@@ -652,29 +1086,63 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--gen-batch-size", type=int, default=d.gen_batch_size)
     p.add_argument("--gen-temperature", type=float, default=d.gen_temperature)
-    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
     p.add_argument("--response-server", default=None,
                    help="URL of an SGLang server of the same target that regenerates the responses (faster)")
+    p.add_argument("--generate-only", action="store_true", help="stop after regenerating the responses")
     p.add_argument("--init-from", default=None, help="continue from this drafter dir (same config); fresh schedule")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
+                   help="steps between resumable checkpoints OUT/checkpoint-STEP (0: only at a stop and the end)")
+    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints,
+                   help="newest checkpoints that keep their resumable state (older ones keep only the drafter)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in OUT (start afresh if there is none)")
+    p.add_argument("--stop-at-step", type=int, default=None,
+                   help="stop this invocation after this step (checkpoint written; the schedule stays --steps)")
+    p.add_argument("--stop-after-seconds", type=float, default=None,
+                   help="stop this invocation after this much training time (checkpoint written)")
     p.add_argument("--log-every", type=int, default=d.log_every)
     p.add_argument("--max-gen-seconds", type=float, default=None, help="stop response generation after this")
     p.add_argument("--max-train-seconds", type=float, default=None,
                    help="cap training time: the step count is fixed from the speed of steps 5..15")
     a = p.parse_args(argv)
+    for name in ("steps", "batch_size", "grad_accum", "block_size", "anchors_per_seq"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.stop_at_step is not None and a.stop_at_step < 1:
+        p.error("--stop-at-step must be >= 1")
     args = TrainArgs(
         block_size=a.block_size, num_draft_layers=a.num_draft_layers, target_layer_ids=_int_list(a.target_layer_ids),
         mask_token_id=a.mask_token_id, sliding_window=a.sliding_window, num_sliding_layers=a.num_sliding_layers,
-        gamma=a.gamma, anchors_per_seq=a.anchors_per_seq, steps=a.steps,
-        batch_size=a.batch_size, lr=a.lr, weight_decay=a.weight_decay, warmup_ratio=a.warmup_ratio, warmup_steps=a.warmup_steps,
-        grad_clip=a.grad_clip, seed=a.seed, max_seq_len=a.max_seq_len, num_prompts=a.num_prompts,
-        max_prompt_tokens=a.max_prompt_tokens, max_new_tokens=a.max_new_tokens, gen_batch_size=a.gen_batch_size,
-        gen_temperature=a.gen_temperature, checkpoint_every=a.checkpoint_every, log_every=a.log_every,
-        max_gen_seconds=a.max_gen_seconds, max_train_seconds=a.max_train_seconds, init_from=a.init_from,
+        gamma=a.gamma, anchors_per_seq=a.anchors_per_seq, steps=a.steps, batch_size=a.batch_size,
+        grad_accum=a.grad_accum, lr=a.lr, weight_decay=a.weight_decay, warmup_ratio=a.warmup_ratio,
+        warmup_steps=a.warmup_steps, grad_clip=a.grad_clip, seed=a.seed, max_seq_len=a.max_seq_len,
+        num_prompts=a.num_prompts, max_prompt_tokens=a.max_prompt_tokens, max_new_tokens=a.max_new_tokens,
+        gen_batch_size=a.gen_batch_size, gen_temperature=a.gen_temperature, checkpoint_every=a.checkpoint_every,
+        keep_checkpoints=a.keep_checkpoints, log_every=a.log_every, max_gen_seconds=a.max_gen_seconds,
+        max_train_seconds=a.max_train_seconds, init_from=a.init_from, resume=a.resume, stop_at_step=a.stop_at_step,
+        stop_after_seconds=a.stop_after_seconds,
     )
-    target, tok = load_target(a.target, a.device)
-    out = train(target, tok, a.prompts, a.out, args, cache_path=a.cache, log_path=a.log_json,
-                response_server=a.response_server)
-    print(out)
+    device = init_distributed(a.device)
+    if _rank_world()[0] != 0:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # one set of progress bars: rank 0's
+    try:
+        target, tok = load_target(a.target, str(device))
+        stop = threading.Event()
+        with _stop_on_signals(stop) as received:
+            try:
+                out = train(target, tok, a.prompts, a.out, args, cache_path=a.cache, log_path=a.log_json,
+                            response_server=a.response_server, generate_only=a.generate_only, stop=stop)
+            except (TrainError, DataError) as e:  # bad input: one line, no traceback
+                raise SystemExit(f"sglang_dflash.train: {e}") from None
+        if _rank_world()[0] == 0:
+            print(out)
+        if received:  # stopped by a signal (state saved): the shell's exit status for it, so scripts stop too
+            raise SystemExit(128 + received[0])
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

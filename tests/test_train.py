@@ -87,8 +87,15 @@ def test_tiny_run_lowers_loss_and_loads(tiny_run):
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.8 * first, (first, last)
     for h in log["history"]:  # harmonic (tokens-per-step estimate) <= arithmetic mean of the block lengths
+        assert 0.0 <= h["acc"] <= 1.0 and 0.0 <= h["acc1"] <= 1.0, h
         if h["tau"] == h["tau"]:
             assert 1.0 <= h["tau_steps"] <= h["tau"] + 1e-9 <= 8.0 + 1e-9, h
+            # per-position acceptance: non-increasing fractions whose sum is the mean accepted length
+            acc = h["accept"]
+            assert len(acc) == 7 and all(1.0 >= a >= b >= 0.0 for a, b in zip(acc, acc[1:])), h
+            assert 1.0 + sum(acc) == pytest.approx(h["tau"], abs=1e-9), h
+    assert log["finished"] is True and log["steps_done"] == 40
+    assert max(h["accept"][0] for h in log["history"]) > 0.2  # the drafter learned position 1 at least
     cfg = DFlashDraftConfig.from_pretrained(out)
     assert cfg.target_layer_ids == select_target_layers(6, 2)
     assert (cfg.block_size, cfg.mask_token_id, cfg.num_target_layers) == (8, TINY_MASK_ID, 6)
@@ -193,6 +200,43 @@ def test_user_turns_and_prompt_file(tmp_path):
     path.write_text(json.dumps([conv, {"conversations": [{"from": "gpt", "value": "x"}]}, oa])[:-40])  # truncated
     assert data.load_prompt_file(path) == ["first"]
     assert data.load_prompt_file(path, all_turns=True) == ["first", "second"]
+
+
+def test_extra_prompt_sets_and_specs(tmp_path):
+    keys = data.eval_exclusion_keys()
+    gpqa, aime = data.training_prompts("gpqa"), data.training_prompts("aime2025")
+    assert (len(gpqa), len(aime)) == (196, 30)  # 198 GPQA Diamond requests, two longer than max_chars=2000
+    assert all(t.startswith("Answer the following multiple choice question") for t in gpqa)
+    both = data.training_prompts("gpqa, aime2025", seed=1)
+    assert sorted(both) == sorted(gpqa + aime) and both != gpqa + aime  # pooled, then shuffled
+    # a prompt file in the spec: its eval-set prompts and duplicates are dropped
+    mt = data.mtbench_prompts(1)[0]
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": t}) for t in [mt, "write a haiku about rivers", aime[0]]))
+    assert sorted(data.training_prompts(f"aime2025,{path}")) == sorted(aime + ["write a haiku about rivers"])
+    assert not any(data.normalize(t) in keys for t in both)
+    for bad, msg in (("gsm8k", "'gsm8k' is an evaluation set"), ("nosuchset", "unknown prompt set 'nosuchset'"),
+                     (",", "no prompt set named")):
+        with pytest.raises(data.DataError, match=msg):
+            data.training_prompts(bad)
+
+
+def test_plot_train_log(tiny_run, tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "plot_train_log.py"
+    spec = importlib.util.spec_from_file_location("plot_train_log", script)
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    _, out, _ = tiny_run
+    history = json.loads((out / "train_log.json").read_text())["history"]
+    last = plot.mean_acceptance(history[-10:])
+    assert len(last) == 7 and last == pytest.approx([sum(h["accept"][k] for h in history[-10:]) / 10
+                                                     for k in range(7)])
+    png = tmp_path / "curves.png"
+    plot.main([str(out / "train_log.json"), str(out / "train_log.json"), "--out", str(png), "--window", "10"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.real_model
