@@ -85,6 +85,68 @@ def drafter_for_tests(tmp_dir: str | Path, target_dir: str | Path) -> tuple[Path
     return make_random_drafter(Path(tmp_dir) / "random-drafter", target_dir), False
 
 
+HUB_REPO_ID = "someone/dflash-draft"
+
+
+def hub_cache(draft_dir: str | Path, root: str | Path) -> dict[str, str]:
+    """Lay ``draft_dir`` out under ``root`` as huggingface_hub's cache holds repo :data:`HUB_REPO_ID` (a snapshot
+    and ``refs/main``); returns the environment that serves it offline from there (``HF_HUB_CACHE``,
+    ``HF_HUB_OFFLINE=1``)."""
+    import shutil
+
+    commit = "cd" * 20
+    repo = Path(root) / ("models--" + HUB_REPO_ID.replace("/", "--"))
+    shutil.copytree(draft_dir, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return {"HF_HUB_CACHE": str(root), "HF_HUB_OFFLINE": "1"}
+
+
+def broken_drafts(draft_dir: str | Path, target_dir: str | Path, root: str | Path) -> dict[str, tuple[str, list, str]]:
+    """Broken variants of the drafter at ``draft_dir`` for the target at ``target_dir``, written under ``root``:
+    name -> (draft directory, extra server args, the message sglang-dflash must refuse it with). SGLang's server-arg
+    resolution refuses ``no-config``, ``mask-own`` and ``block-65`` (in the launcher); the worker refuses ``hidden``
+    and ``mask-target``, checking the draft against the target's config (in the scheduler)."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    t = AutoConfig.from_pretrained(target_dir)
+    root = Path(root)
+
+    def edited(name, edit):
+        shutil.copytree(draft_dir, root / name)
+        cfg = json.loads((root / name / "config.json").read_text())
+        edit(cfg)
+        (root / name / "config.json").write_text(json.dumps(cfg))
+        return str(root / name)
+
+    no_config = root / "no-config"
+    shutil.copytree(draft_dir, no_config)
+    (no_config / "config.json").unlink()
+    hidden = edited("hidden", lambda cfg: cfg.update(hidden_size=t.hidden_size - 64))
+    mask_own = edited("mask-own", lambda cfg: cfg["dflash_config"].update(mask_token_id=cfg["vocab_size"]))
+
+    def mask_vs_target(cfg):  # a draft vocab larger than the target's: only the check against the target catches it
+        cfg["vocab_size"] = t.vocab_size + 8
+        cfg["dflash_config"]["mask_token_id"] = t.vocab_size
+
+    mask_target = edited("mask-target", mask_vs_target)
+    return {
+        "no-config": (str(no_config), [], f"sglang-dflash: cannot use draft '{no_config}': no config.json at "
+                                         f"'{no_config}/config.json'; not a DFlash checkpoint."),
+        "mask-own": (mask_own, [], f"sglang-dflash: cannot use draft '{mask_own}': dflash_config.mask_token_id="
+                                   f"{t.vocab_size} is >= vocab_size={t.vocab_size} (or negative)"),
+        "block-65": (str(draft_dir), ["--speculative-dflash-block-size", "65"],
+                     "sglang-dflash: block size 65 is out of range [2, 64]. Pass --speculative-dflash-block-size "
+                     "within that range."),
+        "hidden": (hidden, [], f"hidden size mismatch: draft hidden_size={t.hidden_size - 64}, target hidden_size="
+                               f"{t.hidden_size}; use a draft trained for this target model."),
+        "mask-target": (mask_target, [], f"dflash_config.mask_token_id={t.vocab_size} is >= the target vocab size "
+                                         f"{t.vocab_size}; pick a mask token inside the target vocabulary"),
+    }
+
+
 def nccl_port_args(n: int) -> list[list[str]]:
     """``["--nccl-port", P]`` for ``n`` servers, ports from :func:`harness.server.free_port`.
 

@@ -3,6 +3,7 @@ and the carried draft state (filter/merge). The served behaviour is in test_serv
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -216,6 +217,94 @@ def test_launch_without_attention_backend_gets_a_served_default_on_hopper():
     served = "flashinfer" if is_flashinfer_available() else "triton"
     assert f"DEFAULTS {served} fa3 fa3" in out.stdout, out.stdout
     assert "BUILTIN fa3" in out.stdout, out.stdout
+
+
+@pytest.fixture(scope="module")
+def smollm2_and_drafter(tmp_path_factory) -> tuple[str, str]:
+    """(SmolLM2 target directory, the drafter the server tests serve with it)."""
+    from server_fixtures import drafter_for_tests
+
+    from sglang_dflash.assets import smollm2_path
+
+    target = smollm2_path()
+    return str(target), str(drafter_for_tests(tmp_path_factory.mktemp("drafter"), target)[0])
+
+
+LAUNCHER_ARGS = """
+import json, sys
+from sglang_dflash.adapter import hooks
+hooks.install()
+from sglang.srt.plugins.hook_registry import HookRegistry
+HookRegistry.apply_hooks()
+from sglang.srt.server_args import prepare_server_args
+results = {}
+for name, argv in json.loads(sys.argv[1]).items():
+    try:
+        args = prepare_server_args(argv)
+        results[name] = ["ok", args.speculative_dflash_block_size, args.speculative_num_draft_tokens]
+    except ValueError as e:
+        results[name] = ["error", str(e)]
+print("RESULTS " + json.dumps(results))
+"""
+
+
+def test_launcher_refuses_broken_drafts_and_resolves_hub_ids(smollm2_and_drafter, tmp_path):
+    """`launch_server --speculative-algorithm DFLASH` arguments through SGLang's own server-args processing with the
+    plugin's hooks, as the launcher runs it before starting anything: a draft without config.json (refused by the
+    plugin before SGLang reads the draft), a mask id outside the draft's vocabulary and an out-of-range block size
+    are refused with sglang-dflash's message; a draft named by a Hugging Face Hub repo id resolves offline from the
+    HF cache (block size from its config), a missing one is refused naming both readings of the path. In a
+    subprocess: hooks patch SGLang process-wide, and huggingface_hub reads its cache settings at import. The
+    worker's own checks: the next test; a refused start whose message reaches the server log: test_server_dflash.py."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from server_fixtures import HUB_REPO_ID, broken_drafts, hub_cache
+
+    target, draft = smollm2_and_drafter
+    broken = broken_drafts(draft, target, tmp_path / "broken")
+    env = {**os.environ, **hub_cache(draft, tmp_path / "hub")}
+
+    def argv(path, *extra):
+        return ["--model-path", target, "--device", "cpu", "--attention-backend", "torch_native",
+                "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", path, *extra]
+
+    refused = ("no-config", "mask-own", "block-65")
+    cases = {name: argv(broken[name][0], *broken[name][1]) for name in refused}
+    cases.update(hub=argv(HUB_REPO_ID), missing=argv("someone/missing-draft"))
+    out = subprocess.run([sys.executable, "-c", LAUNCHER_ARGS, json.dumps(cases)], capture_output=True, text=True,
+                         env=env, timeout=300)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert out.returncode == 0 and lines, out.stderr[-3000:]
+    results = json.loads(lines[0].removeprefix("RESULTS "))
+    for name in refused:
+        assert results[name][0] == "error" and broken[name][2] in results[name][1], (name, results[name])
+    block = json.loads((Path(draft) / "config.json").read_text())["block_size"]
+    assert results["hub"] == ["ok", block, block], results["hub"]
+    kind, message = results["missing"]
+    assert kind == "error" and "not a local directory" in message and "Hub repo" in message, results["missing"]
+
+
+def test_worker_refuses_drafts_that_do_not_fit_the_target(smollm2_and_drafter, tmp_path):
+    """The DFLASH worker's check when it loads in the scheduler process (the draft's config against the target's
+    config): a hidden size other than the target's and a mask id outside the target's vocabulary (which the draft's
+    own, larger vocabulary allows) are refused with sglang-dflash's message; the served drafter fits."""
+    from server_fixtures import broken_drafts
+    from transformers import AutoConfig
+
+    from sglang_dflash.config import DFlashConfigError
+
+    target, draft = smollm2_and_drafter
+    broken = broken_drafts(draft, target, tmp_path)
+    target_config = AutoConfig.from_pretrained(target)
+    DFlashDraftConfig.from_pretrained(draft).validate_target(target_config)
+    for name in ("hidden", "mask-target"):
+        path, _, message = broken[name]
+        with pytest.raises(DFlashConfigError) as err:
+            DFlashDraftConfig.from_pretrained(path).validate_target(target_config)
+        assert message in str(err.value), name
 
 
 def test_draft_state_filter_and_merge():
