@@ -15,12 +15,11 @@ which makes the committed tokens distributed exactly as sampling from the target
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
-__all__ = ["BlockPenalties", "OutputCounts", "adjust_block_logits", "target_probs", "greedy_predictions", "sample_predictions", "accept"]
+__all__ = ["target_probs", "greedy_predictions", "sample_predictions", "accept"]
 
 
 def _check_per_request(name: str, t: torch.Tensor, b: int, device: torch.device) -> None:
@@ -30,139 +29,6 @@ def _check_per_request(name: str, t: torch.Tensor, b: int, device: torch.device)
                          f"pass one value per request")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device} but logits are on {device}; move it to {device}")
-
-
-@dataclass
-class BlockPenalties:
-    """SGLang's output-token penalties for a verify batch.
-
-    output_counts ``[b, V]`` float: occurrences of each token among a request's committed output tokens (block
-    slot 0, the last committed token, included). block_tokens ``[b, B]``: the verify rows (slot 0 + drafts).
-    frequency / presence / repetition ``[b]`` (neutral values 0 / 0 / 1 leave a row unchanged).
-    """
-
-    output_counts: torch.Tensor
-    block_tokens: torch.Tensor
-    frequency: torch.Tensor
-    presence: torch.Tensor
-    repetition: torch.Tensor
-
-
-class OutputCounts:
-    """Per-request counts of output tokens for the penalties, kept between verify steps.
-
-    Each call brings a request's ``[V]`` row up to date with the tokens output since the previous call (O(new
-    tokens) per step instead of O(all output tokens)); a request missing from a call is forgotten and rebuilt from
-    its whole output if it comes back, as is one whose output got shorter.
-    """
-
-    def __init__(self, vocab_size: int, device) -> None:
-        self.vocab_size, self.device = vocab_size, torch.device(device)
-        self._rows: dict = {}  # key -> (number of output tokens counted, row [V] float32)
-
-    def gather(self, keys: Sequence, outputs: Sequence[Sequence[int]], rows: Sequence[int],
-               batch_size: int) -> torch.Tensor:
-        """-> ``[batch_size, V]`` float32: row ``rows[j]`` counts ``outputs[j]`` (request ``keys[j]``), others 0."""
-        counts = torch.zeros((batch_size, self.vocab_size), dtype=torch.float32, device=self.device)
-        kept_at, kept, new_rows, new_toks = [], [], [], []
-        for key, out, row in zip(keys, outputs, rows):
-            done, cached = self._rows.get(key, (0, None))
-            if cached is None or done > len(out):
-                done = 0
-            else:
-                kept_at.append(row)
-                kept.append(cached)
-            new = out[done:]
-            new_rows += [row] * len(new)
-            new_toks += new
-        if kept:
-            counts.index_copy_(0, torch.tensor(kept_at, device=self.device), torch.stack(kept))
-        if new_toks:
-            counts.index_put_((torch.tensor(new_rows, dtype=torch.int64).to(self.device),
-                               torch.tensor(new_toks, dtype=torch.int64).to(self.device)),
-                              torch.ones(len(new_toks), device=self.device), accumulate=True)
-        self._rows = {key: (len(out), counts[row]) for key, out, row in zip(keys, outputs, rows)}
-        return counts
-
-
-def _draft_occurrences(p: BlockPenalties) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (idx, seen, first_new, fresh), each ``[b, B, B-1]`` over (block position k, draft slot i+1):
-    idx = draft token ``d_{i+1}``; seen = ``i+1 <= k`` (position k counts that draft as an output token);
-    first_new = seen, no earlier draft slot holds the token and it is not among the committed outputs;
-    fresh = the token is not among the committed outputs and occurs in ``d_1..d_k`` (the same for every slot
-    holding it, so values scattered to one token agree)."""
-    drafts = p.block_tokens[:, 1:]  # [b, B-1]
-    b, n = drafts.shape
-    k = torch.arange(n + 1, device=drafts.device)
-    i = torch.arange(n, device=drafts.device)
-    seen = (i[None, :] < k[:, None]).expand(b, -1, -1)  # [b, B, B-1]
-    same = drafts[:, :, None] == drafts[:, None, :]  # [b, i, j]
-    earlier = (same & (i[None, :] < i[:, None])).any(-1)  # [b, B-1]: an earlier slot has this token
-    in_outputs = p.output_counts.gather(1, drafts) > 0  # [b, B-1]
-    first_new = seen & ~(earlier | in_outputs)[:, None, :]
-    # token of slot i occurs in d_1..d_k  <=>  its first slot j satisfies j < k
-    first_slot = torch.where(same, i[None, None, :], n).min(-1).values  # [b, B-1]
-    fresh = (first_slot[:, None, :] < k[None, :, None]) & ~in_outputs[:, None, :]
-    return drafts[:, None, :].expand(b, n + 1, n), seen, first_new, fresh
-
-
-def _apply_additive_penalties(logits: torch.Tensor, p: BlockPenalties, occ) -> None:
-    """Frequency and presence penalties, per block position (draft tokens before a position count)."""
-    idx, seen, first_new, _ = occ
-    counts = p.output_counts.to(logits.dtype)
-    freq = p.frequency.to(logits.dtype)
-    pres = p.presence.to(logits.dtype)
-    logits.sub_((freq[:, None] * counts + pres[:, None] * (counts > 0))[:, None, :])
-    extra = freq[:, None, None] * seen + pres[:, None, None] * first_new
-    logits.scatter_add_(2, idx, -extra.to(logits.dtype))
-
-
-def _apply_repetition_penalty(logits: torch.Tensor, p: BlockPenalties, occ) -> None:
-    """SGLang's scaling rule (``x * r`` where ``x < 0``, else ``x / r``) on tokens already output, per position."""
-    idx, _, _, fresh = occ
-    rep = p.repetition.to(logits.dtype)
-
-    def scale(x, r):
-        return torch.where(x < 0, x * r, x / r)
-
-    base = (p.output_counts > 0)[:, None, :]
-    logits.copy_(torch.where(base, scale(logits, rep[:, None, None]), logits))
-    vals = logits.gather(2, idx)
-    logits.scatter_(2, idx, torch.where(fresh, scale(vals, rep[:, None, None]), vals))
-
-
-def adjust_block_logits(
-    logits: torch.Tensor,
-    logit_bias: Optional[torch.Tensor] = None,
-    stop_penalties: Optional[torch.Tensor] = None,
-    num_output: Optional[torch.Tensor] = None,
-    min_new_tokens: Optional[torch.Tensor] = None,
-    penalties: Optional[BlockPenalties] = None,
-) -> torch.Tensor:
-    """Apply, in place, what plain decoding adds to the logits of each block position before sampling.
-
-    logits ``[b, B, V]``: row k predicts output token ``num_output + k`` (block slot 0 is the last committed
-    token, already counted in ``num_output``). In SGLang's order: ``penalties`` (frequency and presence, then
-    min_new_tokens, then the repetition scaling; at position k the drafts ``d_1..d_k`` count as output tokens,
-    which is exact for every position whose verdict is used), then logit_bias ``[b, V]`` on every position.
-    min_new_tokens: ``stop_penalties`` ``[b, V]`` (``-inf`` at a request's stop/EOS ids, 0 elsewhere) is added
-    where ``num_output + k < min_new_tokens`` (``num_output``, ``min_new_tokens`` ``[b]``), i.e. exactly where
-    token-by-token decoding would still forbid stopping. Returns ``logits``.
-    """
-    b, blk, _ = logits.shape
-    occ = None
-    if penalties is not None:
-        occ = _draft_occurrences(penalties)
-        _apply_additive_penalties(logits, penalties, occ)
-    if stop_penalties is not None:
-        k = torch.arange(blk, device=logits.device)
-        active = (num_output.view(b, 1) + k) < min_new_tokens.view(b, 1)  # [b, B]
-        logits.add_(torch.where(active[:, :, None], stop_penalties.to(logits.dtype)[:, None, :], 0.0))
-    if penalties is not None:
-        _apply_repetition_penalty(logits, penalties, occ)
-    if logit_bias is not None:
-        logits.add_(logit_bias.to(logits.dtype)[:, None, :])
-    return logits
 
 
 def target_probs(

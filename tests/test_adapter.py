@@ -47,7 +47,7 @@ def test_plain_greedy_is_the_only_batch_the_step_graph_accepts():
     """The step graph's in-graph argmax accept stands for `accept` only when `accept` would apply nothing else:
     every other batch (sampling, grammar, custom processors, logit_bias, min_new_tokens not yet reached, any
     penalty) must accept eagerly."""
-    from sglang_dflash.adapter.worker import DFlashWorker
+    from sglang_dflash.adapter.sampling import plain_greedy as plain
 
     def batch(*reqs, greedy=True, grammar=False, processors=False, bias=None):
         info = SimpleNamespace(is_all_greedy=greedy, has_custom_logit_processor=processors, logit_bias=bias)
@@ -55,15 +55,14 @@ def test_plain_greedy_is_the_only_batch_the_step_graph_accepts():
             r.output_ids = [5, 6]
         return SimpleNamespace(sampling_info=info, has_grammar=grammar, reqs=list(reqs))
 
-    plain = DFlashWorker.plain_greedy
-    assert plain(None, batch(_req(), _req(min_new_tokens=2)))  # min_new_tokens already reached
-    assert not plain(None, batch(_req(), greedy=False))
-    assert not plain(None, batch(_req(), grammar=True))
-    assert not plain(None, batch(_req(), processors=True))
-    assert not plain(None, batch(_req(), bias=torch.zeros(1, 8)))
-    assert not plain(None, batch(_req(), _req(min_new_tokens=3)))
+    assert plain(batch(_req(), _req(min_new_tokens=2)))  # min_new_tokens already reached
+    assert not plain(batch(_req(), greedy=False))
+    assert not plain(batch(_req(), grammar=True))
+    assert not plain(batch(_req(), processors=True))
+    assert not plain(batch(_req(), bias=torch.zeros(1, 8)))
+    assert not plain(batch(_req(), _req(min_new_tokens=3)))
     for penalty in (dict(frequency_penalty=0.1), dict(presence_penalty=-0.5), dict(repetition_penalty=1.2)):
-        assert not plain(None, batch(_req(), _req(**penalty))), penalty
+        assert not plain(batch(_req(), _req(**penalty))), penalty
 
 
 def test_unsupported_request_is_refused_with_its_name():
@@ -369,7 +368,6 @@ def test_every_forward_publishes_its_committed_lengths():
     """Under the overlap schedule the scheduler plans the next step from the lengths published by this one: the
     worker hands `on_publish` the result's new_seq_lens on every path (prefill, idle, decode), and nothing when
     the scheduler is synchronous (no callback)."""
-    from sglang_dflash.adapter.profiling import StepTimeline
     from sglang_dflash.adapter.worker import DFlashWorker
 
     def batch(mode, bs=2):
@@ -379,10 +377,12 @@ def test_every_forward_publishes_its_committed_lengths():
     published, kinds = [], []
     for b, lens in ((batch("decode"), torch.tensor([5, 9])), (batch("extend"), torch.tensor([3, 4])),
                     (batch("idle", 0), torch.empty(0, dtype=torch.int64))):
-        step = lambda batch, kind, lens=lens: kinds.append(kind) or SimpleNamespace(new_seq_lens=lens)
-        worker = SimpleNamespace(step=step, timeline=StepTimeline(None))
-        result = DFlashWorker.forward_batch_generation(worker, b, on_publish=published.append)
-        assert published[-1] is result.new_seq_lens
+        result = SimpleNamespace(new_seq_lens=lens)
+        worker = SimpleNamespace(decode=lambda batch, r=result: kinds.append("decode") or r,
+                                 prefill=lambda batch, r=result: kinds.append("prefill") or r,
+                                 idle=lambda r=result: kinds.append("idle") or r)
+        got = DFlashWorker.forward_batch_generation(worker, b, on_publish=published.append)
+        assert published[-1] is got.new_seq_lens is lens
         DFlashWorker.forward_batch_generation(worker, b)
     assert len(published) == 3 and kinds == ["decode", "decode", "prefill", "prefill", "idle", "idle"]
 
@@ -497,8 +497,8 @@ def test_step_graph_device_plan_writes_flashinfer_workspace_at_the_plan_offsets(
 def test_step_graph_accept_writes_one_packed_buffer():
     """The step graph's greedy accept writes accept_tokens' four outputs into views of one int64 buffer
     (`step_graphs.unpack`), equal to the unpacked accept."""
+    from sglang_dflash.adapter.sampling import greedy_accept
     from sglang_dflash.adapter.step_graphs import unpack
-    from sglang_dflash.adapter.worker import DFlashWorker
 
     g = torch.Generator().manual_seed(3)
     bs, B, V = 3, 5, 11
@@ -507,9 +507,8 @@ def test_step_graph_accept_writes_one_packed_buffer():
     logits.view(bs, B, V)[0, :3].scatter_(-1, draft[0, 1:4, None], 50.0)  # row 0 accepts 3 drafts
     seq_lens = torch.tensor([7, 1, 30])
     packed = torch.full((bs * (B + 3),), -9, dtype=torch.int64)
-    worker = object.__new__(DFlashWorker)
-    got = worker.greedy_accept(draft, logits, seq_lens, out=unpack(packed, bs, B))
-    want = worker.greedy_accept(draft, logits, seq_lens)
+    got = greedy_accept(draft, logits, seq_lens, out=unpack(packed, bs, B))
+    want = greedy_accept(draft, logits, seq_lens)
     assert int(want[0][0]) == 3
     for a, b, v in zip(got, want, unpack(packed, bs, B)):
         assert torch.equal(a, b) and torch.equal(v, b)
@@ -517,39 +516,14 @@ def test_step_graph_accept_writes_one_packed_buffer():
 
 
 def test_padded_rows_picks_the_smallest_captured_size():
-    from sglang_dflash.adapter.commit_graphs import padded_rows
+    from sglang_dflash.adapter.step import padded_rows
 
     rows = [16, 32, 64]
     assert [padded_rows(n, rows) for n in (1, 16, 17, 33, 64, 65)] == [16, 16, 32, 64, 64, None]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_commit_graphs_replay_equals_eager_and_pads_to_the_padding_slot():
-    from sglang_dflash.adapter.commit_graphs import CommitGraphs
-
-    dev, width, block = torch.device("cuda"), 12, 4
-    weight = torch.randn(width, 6, device=dev)
-    cache = torch.zeros(200, 6, device=dev)
-
-    def commit(aux, positions, cache_loc):
-        cache.index_copy_(0, cache_loc, aux @ weight + positions[:, None].float())
-
-    graphs = CommitGraphs(commit, [1, 2, 4], block, width, torch.float32, torch.int64, dev)
-    assert sorted(graphs.graphs) == [4, 8, 16]
-    for n in (4, 5, 12, 16, 23):  # exact, padded (5 -> 8, 12 -> 16), eager beyond the largest capture (23)
-        aux, positions = torch.randn(n, width, device=dev), torch.arange(n, device=dev) + 7
-        loc = torch.randperm(199, device=dev)[:n] + 1  # real slots are >= 1
-        cache.zero_()
-        graphs(aux, positions, loc)
-        got = cache.clone()
-        cache.zero_()
-        commit(aux, positions, loc)
-        torch.testing.assert_close(got[1:], cache[1:])  # slot 0 takes the padded rows
-        assert int((got[1:].abs().sum(1) > 0).sum()) == n
-
-
 def test_custom_params_after_drafts_show_them_as_output_without_touching_the_request():
-    from sglang_dflash.adapter.worker import _params_after
+    from sglang_dflash.adapter.sampling import params_after as _params_after
 
     req = SimpleNamespace(origin_input_ids=[1, 2], output_ids=[7, 8], rid="r")
     params = {"ngram_size": 2, "__req__": req}
@@ -675,3 +649,61 @@ def test_prepare_for_decode_reserves_two_blocks_past_the_committed_length(monkey
     assert req_to_token[1, 14:17].tolist() == list(range(107, 110)) and req_to_token[1, 17] == -1
     assert (req_to_token[0] == -1).all() and (req_to_token[2, :6] == -1).all()
     assert batch.seq_lens_cpu.tolist() == [5, 3, 9] and batch.seq_lens_sum == 17
+
+
+def test_instrument_wraps_the_worker_from_outside(tmp_path, monkeypatch):
+    """SGLANG_DFLASH_PROFILE wraps decode / prefill / the sampler's accept at start-up (the step takes no timing
+    argument); unset, the worker's methods are left as they are."""
+    import json
+
+    from sglang_dflash.adapter import profiling
+
+    def worker():
+        w = SimpleNamespace(device="cpu", calls=[])
+        w.sampler = SimpleNamespace(accept=lambda *a: w.calls.append("accept") or "accepted")
+        w.decode = lambda batch: w.calls.append("decode") or w.sampler.accept(batch)
+        w.prefill = lambda batch: w.calls.append("prefill") or "prefilled"
+        w.idle = lambda: "idle"
+        w.forward_batch_generation = lambda batch: w.decode(batch)
+        return w
+
+    monkeypatch.delenv("SGLANG_DFLASH_PROFILE", raising=False)
+    monkeypatch.delenv("SGLANG_DFLASH_TIMELINE", raising=False)
+    plain = worker()
+    methods = (plain.decode, plain.prefill, plain.sampler.accept, plain.forward_batch_generation)
+    profiling.instrument(plain)
+    assert (plain.decode, plain.prefill, plain.sampler.accept, plain.forward_batch_generation) == methods
+
+    monkeypatch.setenv("SGLANG_DFLASH_PROFILE", str(tmp_path / "phases.json"))
+    w = worker()
+    profiling.instrument(w)
+    batch = SimpleNamespace(batch_size=lambda: 2)
+    for _ in range(20):
+        assert w.decode(batch) == "accepted"
+    assert w.prefill(batch) == "prefilled" and w.calls.count("accept") == 20
+    summary = json.loads((tmp_path / "phases.json").read_text())
+    assert summary["steps"] == 20 and summary["requests_stepped"] == 40
+    assert {"decode", "accept"} <= set(summary["ms_per_step"])
+
+
+def test_captured_step_keeps_its_attention_plan_alive():
+    """A captured step graph reads buffers its FlashInfer wrappers own; the wrappers are referenced only by the
+    size's `GraphPlan`, so `_Captured` must hold it (a replay after they were collected read freed memory)."""
+    import gc
+    import weakref
+
+    from sglang_dflash.adapter.step_graphs import GraphPlan, _Captured
+
+    class Wrapper:  # stands for a capture-mode FlashInfer wrapper
+        pass
+
+    wrappers = [Wrapper(), Wrapper()]
+    alive = [weakref.ref(w) for w in wrappers]
+    captured = _Captured(graph=None, batch=None, plan=GraphPlan(wrappers[:1], wrappers[1:], [], None), outputs=None,
+                         packed=None)
+    del wrappers
+    gc.collect()
+    assert all(ref() is not None for ref in alive)
+    del captured
+    gc.collect()
+    assert all(ref() is None for ref in alive)

@@ -260,7 +260,7 @@ def test_bound_detects_broken_rules(rule, policy):
 
 def test_adjust_block_logits_matches_token_by_token_rule():
     """Each block position gets exactly the adjustment plain decoding applies at that output length."""
-    from sglang_dflash.verify import adjust_block_logits
+    from sglang_dflash.adapter.sampling import adjust_block_logits
 
     g = torch.Generator().manual_seed(0)
     b, blk, v = 3, 5, 11
@@ -309,7 +309,7 @@ def _penalized_reference(logits, counts, block_tokens, freq, pres, rep, bias=Non
 def test_block_penalties_match_token_by_token_rule(b, blk, v):
     """Frequency / presence / repetition penalties per block position equal the token-by-token rule, with
     draft tokens repeated inside the block and drafts that are already among the committed outputs."""
-    from sglang_dflash.verify import BlockPenalties, adjust_block_logits
+    from sglang_dflash.adapter.sampling import BlockPenalties, adjust_block_logits
 
     g = torch.Generator().manual_seed(b * 100 + blk)
     logits = torch.randn(b, blk, v, generator=g) * 3
@@ -334,7 +334,7 @@ def test_block_penalties_match_token_by_token_rule(b, blk, v):
 def test_block_penalties_each_kind_alone_and_with_min_new_tokens():
     """Each penalty alone (the others neutral), combined with min_new_tokens: the stop ban stays -inf under the
     repetition scaling and every finite entry follows the token-by-token rule."""
-    from sglang_dflash.verify import BlockPenalties, adjust_block_logits
+    from sglang_dflash.adapter.sampling import BlockPenalties, adjust_block_logits
 
     g = torch.Generator().manual_seed(7)
     b, blk, v = 2, 6, 9
@@ -361,7 +361,7 @@ def test_block_penalties_each_kind_alone_and_with_min_new_tokens():
 def test_output_counts_follow_growing_outputs_and_batch_changes():
     """OutputCounts equals a from-scratch bincount after every step: outputs grow, a request leaves and comes
     back, rows move, an output gets shorter."""
-    from sglang_dflash.verify import OutputCounts
+    from sglang_dflash.adapter.sampling import OutputCounts
 
     v = 17
     g = torch.Generator().manual_seed(3)

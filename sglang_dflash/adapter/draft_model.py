@@ -7,8 +7,11 @@ weights are views into them) and the fused ops of `sglang_dflash.kernels.draft_l
 fused tables are built when the weights are loaded, on their device. Two entry points:
 
 * `forward(...)`: one block per request (TARGET_VERIFY-shaped batch). Block K/V are
-  written at the verify slots; queries attend to [context ; block] with no causal
-  mask inside the block (ENCODER_ONLY layers).
+  written at the verify slots; queries attend to [context ; block] as z-lab's layer
+  types say (`DFlashDraftConfig.layer_attention`): bidirectional layers run as
+  ENCODER_ONLY, causal ones (sliding layers by default) as DECODER, sliding layers
+  with their window. The backend applies the window: SGLang's torch_native on CPU
+  (exact), its sliding-window wrappers on GPU (`get_attention_sliding_window_size`).
 * `write_context_kv(aux_hidden, positions, cache_loc)`: context K/V of committed
   tokens, computed from the target's captured hidden states and written at their
   slots -- so a radix-cache prefix hit serves the draft as well as the target.
@@ -42,22 +45,21 @@ class SGLangDFlashDraft(nn.Module):
         self.dcfg = DFlashDraftConfig.from_dict(config.to_dict())
         self.core = DFlashDraftModel(self.dcfg)
         c = self.dcfg
-        self.attn = nn.ModuleList(
-            [
-                RadixAttention(
-                    num_heads=c.num_attention_heads,
-                    head_dim=c.head_dim,
-                    scaling=c.head_dim**-0.5,
-                    num_kv_heads=c.num_key_value_heads,
-                    layer_id=i,
-                    sliding_window_size=(
-                        c.sliding_window - 1 if c.layer_types[i] == "sliding_attention" else -1
-                    ),
-                    attn_type=AttentionType.ENCODER_ONLY,
+        self.attn = nn.ModuleList()
+        for i in range(c.num_hidden_layers):
+            causal, window = c.layer_attention(i)
+            if window is not None and not causal and window < c.block_size:
+                raise ValueError(
+                    f"sglang-dflash: draft layer {i} is a non-causal sliding layer with sliding_window={window} < "
+                    f"block_size={c.block_size}; SGLang's attention backends window only the left side. Use a "
+                    "window of at least the block size, or causal sliding layers."
                 )
-                for i in range(c.num_hidden_layers)
-            ]
-        )
+            self.attn.append(RadixAttention(
+                num_heads=c.num_attention_heads, head_dim=c.head_dim, scaling=c.head_dim**-0.5,
+                num_kv_heads=c.num_key_value_heads, layer_id=i,
+                sliding_window_size=-1 if window is None else window - 1,  # SGLang's window excludes the query
+                attn_type=AttentionType.DECODER if causal else AttentionType.ENCODER_ONLY,
+            ))
         self._fuse_weights()
 
     def _fuse_weights(self) -> None:
@@ -78,6 +80,15 @@ class SGLangDFlashDraft(nn.Module):
         self.ctx_kv_weight = torch.cat([a.k_proj.weight.detach() for a in attns]
                                        + [a.v_proj.weight.detach() for a in attns])
         self.ctx_k_norm_weight = torch.cat([a.k_norm.weight.detach().expand(hkv, d) for a in attns]).contiguous()
+
+    def get_attention_sliding_window_size(self):
+        """SGLang's window (keys before the query) when a layer slides, else None: read by the draft ModelRunner,
+        which then builds sliding-window-aware attention (two FlashInfer wrappers; the decode step runs eagerly)."""
+        windows = {a.sliding_window_size for a in self.attn} - {-1}
+        if len(windows) > 1:
+            raise ValueError(f"sglang-dflash: draft layers slide with different windows {sorted(windows)}; SGLang "
+                             "serves one window per model. Use one sliding_window for every sliding layer.")
+        return windows.pop() if windows else None
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [N] -> (cos, sin) [N, D] in ``dtype`` (one table per forward, shared by every layer)."""
@@ -104,6 +115,8 @@ class SGLangDFlashDraft(nn.Module):
         n, d = input_embeds.shape[0], c.head_dim
         q_width, qk_heads = c.num_attention_heads * d, c.num_attention_heads + c.num_key_value_heads
         x = input_embeds.to(self.core.dtype)
+        if c.input_embedding_scale != 1.0:
+            x = x * c.input_embedding_scale
         cos, sin = self._rope(positions, x.dtype)
         residual = None
         for i, (layer, attn) in enumerate(zip(self.core.layers, self.attn)):

@@ -196,12 +196,12 @@ def _serving_dflash() -> bool:
 def _sync_for_history(original, scheduler, batch, last_batch):
     """Under the overlap schedule a decode step is launched before the previous step's result is applied, so the
     requests' output ids (and grammar states) lag one step. A DFLASH batch whose verify logits depend on them
-    (penalties, min_new_tokens, custom logit processors, grammars: `worker.reads_output_history`) has that result
+    (penalties, min_new_tokens, custom logit processors, grammars: `sampling.reads_output_history`) has that result
     applied first, as SGLang does for its own grammar sync."""
     sync = original(scheduler, batch, last_batch)
     if sync or batch is None or not batch.forward_mode.is_decode() or not _serving_dflash():
         return sync
-    from sglang_dflash.adapter.worker import reads_output_history
+    from sglang_dflash.adapter.sampling import reads_output_history
 
     return reads_output_history(batch)
 
@@ -232,10 +232,9 @@ def _streaming_session_keeps_computed_kv(original, cache, req, finished_len):
 
 
 # Requests whose logits the verify step cannot reproduce are refused up front (with the reason) rather than
-# sampled from the wrong law. Served: penalties, logit_bias, min_new_tokens (DFlashWorker.adjust_logits), grammars
-# (DFlashWorker.apply_grammar) and custom logit processors (DFlashWorker.apply_custom_processors), each per block
-# position.
-# return_logprob is served: prompt logprobs by the target's prefill, decode logprobs by DFlashWorker.attach_logprobs.
+# sampled from the wrong law. Served: penalties, logit_bias, min_new_tokens, grammars and custom logit processors,
+# each per block position (sampling.BlockSampler.accept).
+# return_logprob is served: prompt logprobs by the target's prefill, decode logprobs by BlockSampler.attach_logprobs.
 
 
 def request_error(req) -> str | None:

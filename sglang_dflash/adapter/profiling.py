@@ -1,10 +1,9 @@
 """Timing of the DFLASH worker, off by default; two recorders.
 
-`PhaseTimer` (`SGLANG_DFLASH_PROFILE=path.json`): per-phase times of the decode step.
-Off by default: `PhaseTimer.from_env` then returns a timer whose phases are no-op
-context managers. When on, each phase is bracketed by a device synchronize, so the
-numbers are exact per phase but the step runs without CUDA-graph-level overlap
-between phases; "scheduler" is the wall time between the end of one decode step and
+`PhaseTimer` (`SGLANG_DFLASH_PROFILE=path.json`): times of the worker's decode calls and of their accept.
+Off by default. When on, each phase is bracketed by a device synchronize, so the
+numbers are exact per phase but the step runs without overlap
+between calls; "scheduler" is the wall time between the end of one decode step and
 the start of the next (everything SGLang does outside the worker), averaged over
 back-to-back decode steps only: a prefill or idle step in between (`break_chain`)
 or a gap over IDLE_GAP_S (the server waiting for requests) starts a new chain.
@@ -15,6 +14,8 @@ prefill, idle) is bracketed by two timing events on its stream and two host time
 have completed (polled, never waited for) the recorder adds up, per kind of call: its device time (first
 to last event), its host time in the worker, and between consecutive calls the device idle time (the
 stream waiting for the host to enqueue the next call) and the host time outside the worker.
+
+Both are applied from outside the step by `instrument` (at the worker's start-up, when their variables are set).
 """
 
 from __future__ import annotations
@@ -158,3 +159,47 @@ class StepTimeline:
     def write(self) -> None:
         with open(self.path, "w") as f:
             json.dump({"calls": self.resolved, "timeline": self.summary()}, f, indent=1)
+
+
+def instrument(worker) -> None:
+    """Wrap the DFLASH ``worker`` with the recorders whose variables are set (nothing otherwise), once, at start-up.
+
+    `PhaseTimer`: ``decode`` (one decode call: the step, graph or eager, and its accept), ``accept`` (the sampler's
+    accept, inside decode; plain greedy batches have none) and ``scheduler`` (between back-to-back decode calls);
+    a prefill or idle call breaks the chain. `StepTimeline`: every `forward_batch_generation` call."""
+    timer = PhaseTimer.from_env(worker.device)
+    if timer.path is not None:
+        decode, prefill, idle, accept = worker.decode, worker.prefill, worker.idle, worker.sampler.accept
+
+        def timed_decode(batch):
+            phase = timer.start_step(batch.batch_size())
+            with phase("decode"):
+                result = decode(batch)
+            timer.end_step()
+            return result
+
+        def timed_accept(*args):
+            with timer._phase("accept"):
+                return accept(*args)
+
+        def breaking(call):
+            def run(*args):
+                timer.break_chain()
+                return call(*args)
+            return run
+
+        worker.decode, worker.prefill, worker.idle = timed_decode, breaking(prefill), breaking(idle)
+        worker.sampler.accept = timed_accept
+    timeline = StepTimeline.from_env(worker.device)
+    if timeline.path is not None:
+        from sglang_dflash.adapter.worker import call_kind
+
+        forward = worker.forward_batch_generation
+
+        def traced(batch, *args, **kwargs):
+            mark = timeline.begin(call_kind(batch))
+            result = forward(batch, *args, **kwargs)
+            timeline.end(mark)
+            return result
+
+        worker.forward_batch_generation = traced

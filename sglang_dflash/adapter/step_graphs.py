@@ -1,75 +1,38 @@
-"""One CUDA graph per batch size for the whole decode step on FlashInfer.
+"""The decode step (`step.decode_step`) captured as one CUDA graph per batch size, on FlashInfer.
 
 Replayed through SGLang's runners, a step is three graph replays (draft, verify, commit_kv) plus
 ~20 eager launches, and each replay first rebuilds a ForwardBatch, copies it into the runner's static
 buffers and plans attention: the host, not the GPU, sets the step time on small targets. Here the
-phases
-
-    build_block -> draft (+ lm_head, argmax) -> verify -> commit_kv -> greedy accept
-
-are captured together, per batch size, into one graph on static buffers; the graph also writes both
-forwards' FlashInfer paged layout (qo/kv indptr, kv indices) and their split-kv plans
-(`kernels.attention_plan`: FlashInfer's host planning rule, run on the device) from the committed
-lengths on the device. A replay copies three per-request inputs (bonus tokens, committed lengths,
-request-pool rows) and launches the graph: no host plan and no host copy of the lengths, so under
-SGLang's overlap schedule step N+1 is enqueued while step N still runs (the scheduler's host mirror
-of the committed lengths is switched off, `DFlashWorker.spec_v2_attn_backends`). Needs FlashInfer's
-fa2 prefill backend.
-
-The greedy accept result is used when the batch needs nothing else; otherwise the worker accepts
-eagerly on the verify logits (sampling, penalties, grammars, custom processors, logprobs).
+whole `decode_step` is captured, per batch size, over a static `step.StepBatch`, with `GraphPlan` as its
+attention planner: inside the graph it writes both forwards' FlashInfer paged layout (qo/kv indptr, kv
+indices) and their split-kv plans (`DevicePlan`: FlashInfer's host planning rule, run on the device by
+`kernels.attention_plan`) from the committed lengths on the device. A replay copies three per-request
+inputs (bonus tokens, committed lengths, request-pool rows) and launches the graph: no host plan and no
+host copy of the lengths, so under SGLang's overlap schedule step N+1 is enqueued while step N still runs
+(the scheduler's host mirror of the committed lengths is switched off, `DFlashWorker.spec_v2_attn_backends`).
+Needs FlashInfer's fa2 prefill backend with one wrapper per model.
 
 Padding: a batch of n requests replays the graph of the next captured size m >= n; rows n.. get
 committed length 1 and request-pool row 0, and every KV write of those rows (draft block, target
 block, draft context) goes to SGLang's padding slot 0.
 
 Each captured size owns its own attention wrappers (created through the backends' capture path and then
-taken out of ``prefill_cuda_graph_metadata``, which belongs to SGLang's per-runner graphs).
+taken out of ``prefill_cuda_graph_metadata``, which belongs to SGLang's per-runner graphs). This module sees
+the step's `StepModels`, never the worker.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from triton import next_power_of_2 as triton_next_power_of_2
 
-from sglang.srt.layers.dp_attention import set_dp_buffer_len, set_is_extend_in_batch
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
-from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
-from sglang_dflash.adapter.commit_graphs import PADDING_SLOT, padded_rows
-from sglang_dflash.adapter.spec_inputs import DFlashBlockInput, write_block_kv_layout
+from sglang_dflash.adapter.spec_inputs import write_block_kv_layout
+from sglang_dflash.adapter.step import StepBatch, StepModels, StepResult, decode_step, padded_rows
 from sglang_dflash.kernels.attention_plan import split_kv_plan
-from sglang_dflash.kernels.block_builder import build_block
 
 SEQ_LEN_FILL = 1  # committed length of padded rows (FlashInfer needs kv_len >= 1 per row)
-
-
-@dataclass
-class StepOutputs:
-    """Views of one replay's static outputs, ``bs`` real rows (n = bs * block_size)."""
-
-    draft_tokens: torch.Tensor  # [bs, B]
-    logits: torch.Tensor  # [n, V]
-    accept_lens: torch.Tensor  # [bs]  greedy
-    bonus_tokens: torch.Tensor  # [bs]
-    committed: torch.Tensor  # [bs, B]
-    new_seq_lens: torch.Tensor  # [bs]
-
-
-class _Captured:
-    """One batch size: its graph, its wrappers (planned inside it, `DevicePlan`), its outputs, the two ForwardBatches of
-    the capture, which hold the static block tensors the graph reads and writes, and ``packed``, the one int64
-    buffer the greedy accept writes (`unpack`; a replay copies it out in one launch)."""
-
-    def __init__(self, bs, graph, draft_fb, target_fb, draft_wrappers, target_wrappers, outputs, packed=None):
-        self.bs, self.graph = bs, graph
-        self.draft_fb, self.target_fb = draft_fb, target_fb
-        self.draft_wrappers, self.target_wrappers = draft_wrappers, target_wrappers
-        self.outputs, self.packed = outputs, packed
 
 
 class DevicePlan:
@@ -105,135 +68,98 @@ class DevicePlan:
                       self.MIN_KV_CHUNK, self.out, self.scratch)
 
 
-class StepGraphs:
-    """Whole-step CUDA graphs for ``batch_sizes``; ``worker`` is the DFlashWorker (FlashInfer, CUDA)."""
+class GraphPlan:
+    """`decode_step`'s attention planner inside a captured graph: the paged layout and split-kv plan of this size's
+    own wrappers, written on the device, then each backend's in-graph metadata."""
 
-    def __init__(self, worker, batch_sizes: Sequence[int]):
-        self.w = worker
-        self.B = worker.block_size
+    def __init__(self, draft_wrappers, target_wrappers, plans: list[DevicePlan], qo_indptr: torch.Tensor):
+        self.wrappers = (*draft_wrappers, *target_wrappers)
+        self.plans, self.qo_indptr = plans, qo_indptr
+
+    def __call__(self, m: StepModels, b: StepBatch) -> None:
+        for wrapper in self.wrappers:  # the attention layout
+            wrapper._qo_indptr_buf.copy_(self.qo_indptr[: b.bs + 1])
+            write_block_kv_layout(m.req_to_token, b.req_pool_indices, b.seq_lens, m.block_size,
+                                  wrapper._paged_kv_indptr_buf, wrapper._paged_kv_indices_buf)
+        for plan in self.plans:  # and its split-kv plan
+            plan.write(b.seq_lens)
+        m.draft_backend.init_forward_metadata_in_graph(b.draft_fb)
+        m.target_backend.init_forward_metadata_in_graph(b.target_fb)
+
+
+class _Captured:
+    """One batch size: its graph, the static `StepBatch` it reads and writes, its `GraphPlan` (whose wrappers own
+    buffers the graph reads: kept alive with it), its outputs, and ``packed``, the one int64 buffer the greedy
+    accept writes (`unpack`; a replay copies it out in one launch)."""
+
+    def __init__(self, graph, batch: StepBatch, plan: GraphPlan, outputs: StepResult, packed: torch.Tensor):
+        self.graph, self.batch, self.plan, self.outputs, self.packed = graph, batch, plan, outputs, packed
+
+
+class StepGraphs:
+    """`decode_step` captured for ``batch_sizes`` (FlashInfer, CUDA); ``vocab_size``: the target's logits width."""
+
+    def __init__(self, m: StepModels, batch_sizes: Sequence[int], vocab_size: int, device):
+        self.m, self.B = m, m.block_size
         self.sizes = sorted({int(b) for b in batch_sizes})
-        max_bs, dev = self.sizes[-1], worker.device
+        max_bs, dev = self.sizes[-1], device
         self.bonus = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.seq_lens = torch.full((max_bs,), SEQ_LEN_FILL, dtype=torch.int64, device=dev)
         self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.valid = torch.zeros(max_bs, dtype=torch.bool, device=dev)
         # one float logits buffer for every size (SGLang's logits processor copies into it): per-size logits
         # outputs would each stay alive with their graph
-        self.logits = torch.zeros((max_bs * self.B, worker.target_runner.model_config.vocab_size),
-                                  dtype=torch.float, device=dev)
+        self.logits = torch.zeros((max_bs * self.B, vocab_size), dtype=torch.float, device=dev)
         self.qo_indptr = torch.arange(0, (max_bs + 1) * self.B, self.B, dtype=torch.int32, device=dev)
         self.plan_scratch = torch.zeros(3 * triton_next_power_of_2(max_bs), dtype=torch.int32, device=dev)
-        self.draft_backend = worker.draft_runner.attn_backend
-        self.target_backend = worker.target_runner.attn_backend
         self.captured: dict[int, _Captured] = {}
         stream = torch.cuda.Stream(dev)
         pool = None
         for bs in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool
-            self.captured[bs] = self._capture(bs, stream, pool)
+            self.captured[bs] = self._capture(bs, stream, pool, dev)
             pool = self.captured[bs].graph.pool()
 
     # ---- capture -------------------------------------------------------------------------
-    def _forward_batch(self, bs: int, input_ids: torch.Tensor, positions: torch.Tensor, loc: torch.Tensor,
-                       capture: CaptureHiddenMode) -> ForwardBatch:
-        spec_info = DFlashBlockInput(draft_token=input_ids, positions=positions, draft_token_num=self.B,
-                                     capture_hidden_mode=capture)
-        kv_lens_cpu = torch.full((bs,), SEQ_LEN_FILL + self.B, dtype=torch.int64)  # the capture's: prefix + block
-        return ForwardBatch(
-            forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=input_ids,
-            req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs], out_cache_loc=loc,
-            seq_lens_sum=int(kv_lens_cpu.sum()), seq_lens_cpu=kv_lens_cpu,
-            positions=positions, spec_algorithm=SpeculativeAlgorithm.DFLASH, spec_info=spec_info,
-            capture_hidden_mode=capture,
-        )
-
-    def _capture(self, bs: int, stream: torch.cuda.Stream, pool) -> _Captured:
-        w, B, n = self.w, self.B, bs * self.B
-        dev = w.device
-        # static block tensors the two ForwardBatches point at (filled inside the graph)
-        input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        loc = torch.zeros(n, dtype=torch.int64, device=dev)
-        verify_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        draft_fb = self._forward_batch(bs, input_ids, positions, loc, CaptureHiddenMode.NULL)
-        target_fb = self._forward_batch(bs, verify_ids, positions, loc, CaptureHiddenMode.FULL)
-        target_fb.next_token_logits_buffer = self.logits[:n]
-        self.valid[:bs].fill_(False)  # capture and warm-up write only to the padding slot
-
-        draft_wrappers = self._prepare_wrappers(self.draft_backend, draft_fb, bs)
-        target_wrappers = self._prepare_wrappers(self.target_backend, target_fb, bs)
-        plans = [DevicePlan(wr, bs, B, b.indices_updater_prefill.num_qo_heads, b.indices_updater_prefill.num_kv_heads,
-                            self.plan_scratch)
-                 for b, wrappers in ((self.draft_backend, draft_wrappers), (self.target_backend, target_wrappers))
-                 for wr in wrappers]
-
-        req_to_token = w.target_runner.req_to_token_pool.req_to_token
+    def _capture(self, bs: int, stream: torch.cuda.Stream, pool, dev) -> _Captured:
+        m, B = self.m, self.B
         packed = torch.zeros(bs * (B + 3), dtype=torch.int64, device=dev)
-
-        def body():
-            ids, pos, slots = build_block(self.bonus[:bs], self.seq_lens[:bs], B, w.mask_token_id, req_to_token,
-                                          self.req_pool_indices[:bs], out=(input_ids, positions, loc),
-                                          check_values=False)
-            slots.view(bs, B).masked_fill_(~self.valid[:bs, None], PADDING_SLOT)
-            for wrapper in (*draft_wrappers, *target_wrappers):  # the attention layout
-                wrapper._qo_indptr_buf.copy_(self.qo_indptr[: bs + 1])
-                write_block_kv_layout(req_to_token, self.req_pool_indices[:bs], self.seq_lens[:bs], B,
-                                      wrapper._paged_kv_indptr_buf, wrapper._paged_kv_indices_buf)
-            for plan in plans:  # and its split-kv plan
-                plan.write(self.seq_lens[:bs])
-            set_dp_buffer_len(None, n, False, None)
-            set_is_extend_in_batch(False)
-            with forward_context(ForwardContext(attn_backend=self.draft_backend)):
-                self.draft_backend.init_forward_metadata_in_graph(draft_fb)
-                hidden = w.draft_model(ids, pos, draft_fb, input_embeds=w.embed(ids)).hidden_states
-            draft_tokens = w.propose(hidden, ids, bs)
-            verify_ids.copy_(draft_tokens.view(-1))
-            with forward_context(ForwardContext(attn_backend=self.target_backend)):
-                self.target_backend.init_forward_metadata_in_graph(target_fb)
-                out = w.target_runner.model(verify_ids, pos, target_fb)
-            w.commit_kv(out.hidden_states, pos, slots)
-            logits = out.next_token_logits
-            accept = w.greedy_accept(draft_tokens, logits, self.seq_lens[:bs], out=unpack(packed, bs, B))
-            return StepOutputs(draft_tokens, logits, *accept)
+        b = StepBatch(m, self.bonus[:bs], self.seq_lens[:bs], self.req_pool_indices[:bs], valid=self.valid[:bs],
+                      accept_out=unpack(packed, bs, B), logits_buffer=self.logits[: bs * B])
+        self.valid[:bs].fill_(False)  # capture and warm-up write only to the padding slot
+        draft_wrappers = _prepare_wrappers(m.draft_backend, b.draft_fb, bs)
+        target_wrappers = _prepare_wrappers(m.target_backend, b.target_fb, bs)
+        plans = [DevicePlan(wr, bs, B, be.indices_updater_prefill.num_qo_heads, be.indices_updater_prefill.num_kv_heads,
+                            self.plan_scratch)
+                 for be, wrappers in ((m.draft_backend, draft_wrappers), (m.target_backend, target_wrappers))
+                 for wr in wrappers]
+        plan = GraphPlan(draft_wrappers, target_wrappers, plans, self.qo_indptr)
 
         torch.cuda.synchronize(dev)
         graph = torch.cuda.CUDAGraph()
         with torch.no_grad():
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up outside capture (JIT, autotuning, workspaces)
-                    body()
+                    decode_step(m, b, plan)
             torch.cuda.synchronize(dev)
             torch.cuda.empty_cache()  # the warm-up's blocks, which the capture's private pool cannot use
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                outputs = body()
+                outputs = decode_step(m, b, plan)
         torch.cuda.synchronize(dev)
-        return _Captured(bs, graph, draft_fb, target_fb, draft_wrappers, target_wrappers, outputs, packed)
-
-    def _prepare_wrappers(self, backend, fb: ForwardBatch, bs: int) -> list:
-        """Create and plan this size's own capture-mode wrappers (they also become ``backend.forward_metadata``,
-        which the capture reads) and put SGLang's wrappers for ``bs`` back."""
-        saved = backend.prefill_cuda_graph_metadata.get(bs)
-        backend.init_forward_metadata_out_graph(fb, in_capture=True)
-        wrappers = backend.prefill_cuda_graph_metadata[bs]
-        if saved is None:
-            backend.prefill_cuda_graph_metadata.pop(bs)
-        else:
-            backend.prefill_cuda_graph_metadata[bs] = saved
-        return wrappers
+        return _Captured(graph, b, plan, outputs, packed)
 
     # ---- replay --------------------------------------------------------------------------
     def padded_size(self, n: int) -> int | None:
         """The captured batch size a batch of n requests replays (None: larger than every capture)."""
         return padded_rows(n, self.sizes)
 
-    def replay(self, batch, bonus_tokens: torch.Tensor) -> StepOutputs:
-        """One decode step for ``batch`` (n requests, at most the largest captured size); returns the real rows'
-        outputs."""
-        n = batch.batch_size()
+    def replay(self, bonus_tokens: torch.Tensor, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor) -> StepResult:
+        """One decode step of n requests (at most the largest captured size); returns the real rows' results."""
+        n = seq_lens.shape[0]
         m = self.padded_size(n)
         c = self.captured[m]
         self.bonus[:n].copy_(bonus_tokens)
-        self.seq_lens[:n].copy_(batch.seq_lens)
-        self.req_pool_indices[:n].copy_(batch.req_pool_indices)
+        self.seq_lens[:n].copy_(seq_lens)
+        self.req_pool_indices[:n].copy_(req_pool_indices)
         self.valid[:n].fill_(True)
         if m > n:
             self.seq_lens[n:m].fill_(SEQ_LEN_FILL)
@@ -241,9 +167,22 @@ class StepGraphs:
             self.valid[n:m].fill_(False)
         c.graph.replay()
         o = c.outputs
-        accept_lens, bonus_tokens, committed, new_seq_lens = unpack(c.packed.clone(), m, self.B)  # one copy
-        return StepOutputs(o.draft_tokens[:n], o.logits[: n * self.B], accept_lens[:n], bonus_tokens[:n],
-                           committed[:n], new_seq_lens[:n])
+        accept_lens, bonus, committed, new_seq_lens = unpack(c.packed.clone(), m, self.B)  # one copy
+        return StepResult(o.draft_tokens[:n], o.logits[: n * self.B], accept_lens[:n], bonus[:n], committed[:n],
+                          new_seq_lens[:n])
+
+
+def _prepare_wrappers(backend, fb, bs: int) -> list:
+    """Create and plan this size's own capture-mode wrappers (they also become ``backend.forward_metadata``,
+    which the capture reads) and put SGLang's wrappers for ``bs`` back."""
+    saved = backend.prefill_cuda_graph_metadata.get(bs)
+    backend.init_forward_metadata_out_graph(fb, in_capture=True)
+    wrappers = backend.prefill_cuda_graph_metadata[bs]
+    if saved is None:
+        backend.prefill_cuda_graph_metadata.pop(bs)
+    else:
+        backend.prefill_cuda_graph_metadata[bs] = saved
+    return wrappers
 
 
 def unpack(packed: torch.Tensor, bs: int, block_size: int):

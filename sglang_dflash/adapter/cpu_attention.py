@@ -1,0 +1,71 @@
+"""Extend attention for DFLASH's runners on CPU: only the new queries, each layer masked as it is defined.
+
+SGLang's `TorchNativeAttnBackend` runs an extend of ``n`` new tokens over a ``seq_len``-token request as a
+``seq_len``-query attention (the earlier rows are padding), so a 16-token verify at a long context costs a
+prefill, and it windows only causal layers. `DFlashCPUAttnBackend` computes the ``n`` new queries alone, with
+the visibility rule of `sglang_dflash.model.attention_mask` (causal for DECODER layers, the layer's window
+for sliding layers: z-lab's draft semantics, and a causal window for targets). Decode, cross attention and
+encoder batches go to the base class unchanged. It is installed on the DFLASH worker's target and draft runners
+only (`install`); a no-spec server keeps SGLang's backend.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.layers.radix_attention import AttentionType
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+from sglang_dflash.model import attention_mask
+
+
+class DFlashCPUAttnBackend(TorchNativeAttnBackend):
+    """`TorchNativeAttnBackend` whose extend attends from the new tokens only."""
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        """q ``[N, Hq*D]`` (N = sum of extend lengths), k/v ``[N, Hkv, D]`` -> o ``[N, Hq*D]``; k/v written at
+        ``out_cache_loc`` first. Request i's queries sit at positions ``extend_prefix_lens[i] + arange(n_i)`` and
+        see its keys ``0 .. seq_lens[i] - 1`` as `attention_mask` allows."""
+        if layer.is_cross_attention or forward_batch.encoder_lens is not None or layer.qk_head_dim != layer.v_head_dim:
+            return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(
+                layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v)
+        causal = layer.attn_type != AttentionType.ENCODER_ONLY
+        window = layer.sliding_window_size + 1 if layer.sliding_window_size is not None \
+            and layer.sliding_window_size > -1 else None
+        k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        q = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        o = torch.empty_like(q)
+        req_to_token = self.req_to_token_pool.req_to_token
+        start = 0
+        for i in range(forward_batch.batch_size):
+            n = int(forward_batch.extend_seq_lens_cpu[i])
+            prefix = int(forward_batch.extend_prefix_lens_cpu[i])
+            kv_len = prefix + n
+            slots = req_to_token[forward_batch.req_pool_indices[i], :kv_len]
+            q_pos = torch.arange(prefix, kv_len, device=q.device)[None]
+            mask = attention_mask(q_pos, torch.arange(kv_len, device=q.device)[None], causal, window)
+            out = scaled_dot_product_attention(
+                q[start : start + n].transpose(0, 1), k_cache[slots].transpose(0, 1).to(q.dtype),
+                v_cache[slots].transpose(0, 1).to(q.dtype), attn_mask=mask, scale=layer.scaling,
+                enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num)
+            o[start : start + n] = out.transpose(0, 1)
+            start += n
+        return o.view(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+
+def install(runner) -> None:
+    """Serve ``runner``'s extends with `DFlashCPUAttnBackend` (it must be a CPU runner on torch_native)."""
+    old = runner.attn_backend
+    if type(old) is not TorchNativeAttnBackend:
+        raise ValueError(f"sglang-dflash: the CPU runner uses {type(old).__name__}; DFLASH on CPU needs "
+                         "--attention-backend torch_native.")
+    new = DFlashCPUAttnBackend(runner)
+    runner.attn_backend = new
+    if runner.decode_attn_backend is old:
+        runner.decode_attn_backend = new
+    runner.decode_attn_backend_group = [new if b is old else b for b in runner.decode_attn_backend_group]
