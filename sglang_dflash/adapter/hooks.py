@@ -8,6 +8,7 @@ is refused with an error naming the supported SGLang version instead of half-wor
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
@@ -185,8 +186,10 @@ def _create_worker(original, algo, server_args):
     return DFlashWorker
 
 
+@functools.cache
 def _serving_dflash() -> bool:
-    """True in a scheduler process of a server whose DFLASH is ours."""
+    """True in a scheduler process of a server whose DFLASH is ours (decided once per process: the hooks that ask
+    run on every scheduler iteration)."""
     from sglang.srt.runtime_context import get_spec
 
     algo = get_spec().speculative_algorithm
