@@ -191,7 +191,7 @@ def _cpu_attention_backend(original, server_args) -> None:
     if _ours_by_args(server_args):
         backend, why = default_attention_backend(server_args, "intel_amx"), "DFLASH served by sglang-dflash"
     elif not cpu_has_amx_support():
-        backend, why = "torch_native", "this CPU has no intel_amx support (AMX tiles and sgl-kernel's CPU build)"
+        backend, why = "torch_native", "no intel_amx support here: it needs AMX tiles and sgl-kernel's CPU build"
     else:
         return
     server_args.attention_backend = backend
