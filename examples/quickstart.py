@@ -65,25 +65,53 @@ def prompts_ids(tokenizer, n: int) -> list[list[int]]:
 
 
 class Progress:
-    """Prints ``label: done/total unit, elapsed, ETA`` every ``every`` seconds while work is counted in."""
+    """Prints ``label: done/total unit, elapsed, ETA`` every ``every`` seconds while work is counted in; the ETA
+    assumes the rest goes at the pace so far unless ``add`` is given the fraction of the time already spent."""
 
     def __init__(self, label: str, total: int, unit: str, every: float = 10.0):
         self.label, self.total, self.unit, self.every = label, max(total, 1), unit, every
         self.done, self.start, self.last = 0, time.perf_counter(), time.perf_counter()
         self.lock = threading.Lock()
 
-    def add(self, n: int) -> None:
+    def add(self, n: int, time_fraction: float | None = None) -> None:
         with self.lock:
             self.done = min(self.total, self.done + n)
             now = time.perf_counter()
             if now - self.last >= self.every:
                 self.last = now
-                self._print(now)
+                elapsed = now - self.start
+                fraction = self.done / self.total if time_fraction is None else time_fraction
+                eta = f"ETA {elapsed * (1 - fraction) / fraction:.0f} s" if fraction > 0 else "ETA -"
+                print(f"  {self.label}: {self.done}/{self.total} {self.unit}, {elapsed:.0f} s, {eta}", flush=True)
 
-    def _print(self, now: float) -> None:
-        elapsed = now - self.start
-        eta = f"ETA {elapsed * (self.total - self.done) / self.done:.0f} s" if self.done else "ETA -"
-        print(f"  {self.label}: {self.done}/{self.total} {self.unit}, {elapsed:.0f} s, {eta}", flush=True)
+
+class DFlashSteps:
+    """The reference engine's DFlash batch, followed from its target forwards: greedy DFlash commits the tokens the
+    target alone did (``lengths`` per prompt), the first at the prefill, then accept length + 1 per verify of each
+    running row; finished rows leave the batch. Steps left = the most tokens a running row still needs over the
+    mean tokens per row-step so far; the time fraction spent assumes steps of equal cost."""
+
+    def __init__(self, lengths: list[int], progress: Progress):
+        self.left, self.rows, self.progress = list(lengths), list(range(len(lengths))), progress
+        self.steps = self.row_steps = self.committed = 0
+
+    def forward(self, block: torch.Tensor, logits: torch.Tensor) -> None:
+        from sglang_dflash.verify import accept
+
+        if logits.shape[1] == 1:  # prefill: one token per row
+            new = [1] * len(self.rows)
+        else:
+            new = (accept(block, logits.argmax(-1))[0] + 1).tolist()
+            self.steps += 1
+            self.row_steps += len(new)
+            self.committed += sum(new)
+        for row, n in zip(self.rows, new):
+            self.left[row] = max(0, self.left[row] - n)
+        self.rows = [r for r in self.rows if self.left[r] > 0]
+        per_step = self.committed / self.row_steps if self.row_steps else 0.0
+        steps_left = max((self.left[r] for r in self.rows), default=0) / per_step if per_step else 0.0
+        fraction = self.steps / (self.steps + steps_left) if self.steps else None
+        self.progress.add(sum(new), time_fraction=fraction)
 
 
 def latest_gpu_figures() -> str:
@@ -128,7 +156,6 @@ def _progress_hook(model, on_forward):
 def run_hf(target: Path, draft: Path, ids: list[list[int]], max_new_tokens: int, block_size: int | None,
            default: bool) -> None:
     from sglang_dflash.hf import DFlashLM
-    from sglang_dflash.verify import accept
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -140,15 +167,9 @@ def run_hf(target: Path, draft: Path, ids: list[list[int]], max_new_tokens: int,
     with _progress_hook(lm.target, lambda ids_, logits: progress.add(1)):
         base = lm.target_generate_baseline(ids, max_new_tokens=max_new_tokens)
 
-    # DFlash commits the same tokens (greedy): the prefill's first token per row, then accept length + 1 per verify
-    def committed(block, logits):
-        if logits.shape[1] == 1:
-            return block.shape[0]
-        accept_lens, _ = accept(block, logits.argmax(-1))
-        return int((accept_lens + 1).sum())
-
-    progress = Progress(f"DFlash (block {lm.block_size})", base.num_new_tokens, "tokens")
-    with _progress_hook(lm.target, lambda block, logits: progress.add(committed(block, logits))):
+    steps = DFlashSteps([len(seq) for seq in base.sequences],
+                        Progress(f"DFlash (block {lm.block_size})", base.num_new_tokens, "tokens"))
+    with _progress_hook(lm.target, steps.forward):
         spec = lm.generate(ids, max_new_tokens=max_new_tokens)
 
     same = sum(a == b for a, b in zip(base.sequences, spec.sequences))
