@@ -243,7 +243,13 @@ def run_server(target: Path, draft: Path, ids: list[list[int]], max_new_tokens: 
     common = ["--mem-fraction-static", "0.3"] if device == "cuda" else ["--dtype", "float32", "--sleep-on-idle"]
     logs = Path(tempfile.mkdtemp(prefix="quickstart-servers-"))
     servers = {}
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # stop the servers on SIGTERM too
+
+    def stop(signum, frame):  # SIGTERM / SIGINT: the servers first (their open streams keep the request threads)
+        _kill(servers)
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
     print(f"starting two SGLang servers (logs in {logs})", flush=True)
     try:
         for name, extra in (("no-spec", []), ("DFLASH", ["--speculative-algorithm", "DFLASH",
@@ -284,10 +290,15 @@ def run_server(target: Path, draft: Path, ids: list[list[int]], max_new_tokens: 
               f"{same}/{len(ids)}")
         explain_cpu(device)
     finally:
-        for proc, _url, _log in servers.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _kill(servers)
+
+
+def _kill(servers: dict) -> None:
+    """Kill every server's process group (each leads its own)."""
+    for proc, _url, _log in servers.values():
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def main() -> None:
