@@ -3,6 +3,7 @@ and the carried draft state (filter/merge). The served behaviour is in test_serv
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -120,23 +121,37 @@ def test_server_args_resolved_from_the_draft(draft_dir):
     assert args.disable_overlap_schedule is False  # SGLang's overlap schedule serves DFLASH on CUDA
 
 
-@pytest.mark.parametrize("device, env, overlap", [("cuda", None, True), (None, None, True), ("cpu", None, False),
-                                                  ("cpu", "1", True), ("cpu", "0", False)])
-def test_overlap_schedule_where_streams_exist(draft_dir, monkeypatch, device, env, overlap):
-    """Overlap stays on where SGLang runs it (CUDA; SGLang's default device) and is switched off on CPU, unless
-    SGLANG_DFLASH_CPU_OVERLAP=1; --disable-overlap-schedule is always honoured."""
-    from sglang_dflash.adapter.server_args import CPU_OVERLAP_ENV, resolve_server_args
+@pytest.mark.parametrize("device, overlap", [("cuda", True), (None, True), ("cpu", False)])
+def test_overlap_schedule_where_streams_exist(draft_dir, device, overlap):
+    """Overlap stays on where SGLang runs it (CUDA; SGLang's default device) and is switched off on CPU;
+    --disable-overlap-schedule is always honoured."""
+    from sglang_dflash.adapter.server_args import resolve_server_args
 
-    if env is None:
-        monkeypatch.delenv(CPU_OVERLAP_ENV, raising=False)
-    else:
-        monkeypatch.setenv(CPU_OVERLAP_ENV, env)
     args = _args(draft_dir, device=device)
     resolve_server_args(args)
     assert args.disable_overlap_schedule is (not overlap)
     args = _args(draft_dir, device=device, disable_overlap_schedule=True)
     resolve_server_args(args)
     assert args.disable_overlap_schedule is True
+
+
+@pytest.mark.parametrize("env, overlap", [(None, False), ("0", False), ("1", True)])
+def test_cpu_overlap_is_a_test_harness_switch(env, overlap):
+    """The CPU test servers' ``sitecustomize`` turns the overlap schedule on for CPU only when
+    SGLANG_DFLASH_TEST_CPU_OVERLAP=1 (the product has no such switch)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("from types import SimpleNamespace as S; from sglang_dflash.adapter.server_args import overlap_supported; "
+            "print(overlap_supported(S(device='cpu')))")
+    env_vars = {k: v for k, v in os.environ.items() if k != "SGLANG_DFLASH_TEST_CPU_OVERLAP"}
+    env_vars["PYTHONPATH"] = str(Path(__file__).parent / "harness" / "sitecustomize")
+    if env is not None:
+        env_vars["SGLANG_DFLASH_TEST_CPU_OVERLAP"] = env
+    out = subprocess.run([sys.executable, "-c", code], env=env_vars, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(overlap)
+    assert ("TEST: overlap schedule on CPU" in out.stderr) is overlap
 
 
 def test_data_parallel_replicas_are_accepted(draft_dir):

@@ -36,7 +36,7 @@ SERVER_ARGS = [*COMMON_ARGS, "--decode-log-interval", "1", "--enable-streaming-s
 MAX_NEW_TOKENS = 32
 PROMPTS_PER_SET = 8  # from each of mtbench / humaneval / gsm8k (held out from drafter training)
 REQUEST_THREADS = 16
-OVERLAP_ENV = {"SGLANG_DFLASH_CPU_OVERLAP": "1"}  # on CPU: run the overlap schedule there too (GPU: the default)
+OVERLAP_ENV = {"SGLANG_DFLASH_TEST_CPU_OVERLAP": "1"}  # on CPU: run the overlap schedule there too (GPU: the default)
 # SGLANG_DFLASH_TEST_SYNC=1: the fixture's DFLASH servers run the synchronous scheduler instead (to tell a difference
 # of the overlap schedule from one of DFLASH itself)
 SYNC_ARGS = ["--disable-overlap-schedule"] if os.environ.get("SGLANG_DFLASH_TEST_SYNC") == "1" else []
@@ -124,7 +124,7 @@ def servers(target, drafter, tmp_path_factory):
     processors = "--enable-custom-logit-processor"
     specs = {"nospec": (target, [*SERVER_ARGS, "--disable-overlap-schedule", processors]),
              # DFLASH under SGLang's overlap schedule, the default on a GPU; the servers the other tests start run
-             # the synchronous scheduler (on CPU without SGLANG_DFLASH_CPU_OVERLAP; elsewhere by the flag)
+             # the synchronous scheduler (on CPU without SGLANG_DFLASH_TEST_CPU_OVERLAP; elsewhere by the flag)
              "dflash": (target, [*SERVER_ARGS, *dflash_args(drafter[0]), processors, "--enable-metrics", *SYNC_ARGS],
                         OVERLAP_ENV),
              # memory pressure + chunked prefill: SGLang retracts a running request every few forwards
@@ -278,7 +278,7 @@ def test_server_info(nospec, dflash, drafter):
     info = dflash.get_server_info()
     assert info["speculative_algorithm"] == "DFLASH"
     assert info["speculative_draft_model_path"] == str(drafter[0])
-    # the DFLASH server runs SGLang's overlap schedule (the GPU default; on CPU through SGLANG_DFLASH_CPU_OVERLAP)
+    # the DFLASH server runs SGLang's overlap schedule (the GPU default; on CPU through SGLANG_DFLASH_TEST_CPU_OVERLAP)
     assert info["disable_overlap_schedule"] is False
     assert info["speculative_num_steps"] == 1 and info["speculative_eagle_topk"] == 1
     block = json.loads((drafter[0] / "config.json").read_text())["block_size"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 
 from sglang_dflash.config import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, DFlashConfigError, DFlashDraftConfig
 
@@ -89,15 +88,10 @@ def resolve_server_args(server_args) -> None:
         server_args.disable_overlap_schedule = True
 
 
-CPU_OVERLAP_ENV = "SGLANG_DFLASH_CPU_OVERLAP"
-
-
 def overlap_supported(server_args) -> bool:
     """SGLang's overlap schedule (the host prepares step N+1 while the device runs step N) runs on CUDA. On CPU its
-    FutureMap records tensors on streams, which torch does not support there; ``SGLANG_DFLASH_CPU_OVERLAP=1``
-    runs it anyway, for testing the overlap path without a GPU where ``Tensor.record_stream`` accepts CPU
-    streams (the test harness provides that)."""
-    return not _on_cpu(server_args) or os.environ.get(CPU_OVERLAP_ENV) == "1"
+    FutureMap records tensors on streams, which torch does not support there."""
+    return not _on_cpu(server_args)
 
 
 def _on_cpu(server_args) -> bool:

@@ -6,7 +6,7 @@ itself (``sglang_dflash.adapter.cpu_platform``; ``tests/test_cpu_serving.py`` st
 of this). ``sitecustomize/`` is put first on the server's PYTHONPATH for two test-only switches (see its docstring):
 SGLang's overlap scheduler calls ``Tensor.record_stream``, which torch refuses for CPU streams; ``sitecustomize`` makes
 it a no-op for CPU tensors, so the overlap schedule runs on CPU where a test asks for it (sglang-dflash:
-``SGLANG_DFLASH_CPU_OVERLAP=1``; SGLang's own speculative algorithms switch it off on CPU).
+``SGLANG_DFLASH_TEST_CPU_OVERLAP=1``; SGLang's own speculative algorithms switch it off on CPU).
 
 GPU mode (``SGLANG_DFLASH_TEST_DEVICE=cuda``): the server gets ``CUDA_SERVER_ARGS`` (``--device cuda``, the
 attention backend ``$SGLANG_DFLASH_TEST_GPU_BACKEND`` -- ``flashinfer`` by default, what the benchmarks serve,

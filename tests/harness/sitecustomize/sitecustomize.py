@@ -7,8 +7,10 @@ is the plugin's own set-up (``sglang_dflash.adapter.cpu_platform``), not this fi
 
 1. SGLang's overlap scheduler (FutureMap, the scheduler's batch pinning) calls ``Tensor.record_stream`` with the
    device's current stream, which torch accepts only for CUDA streams ("unknown parameter type"). On CPU there is
-   one stream and nothing to record, so a CPU tensor's ``record_stream`` is a no-op here; with it the overlap
-   schedule runs on CPU for the tests that ask for it (sglang-dflash: ``SGLANG_DFLASH_CPU_OVERLAP=1``).
+   one stream and nothing to record, so a CPU tensor's ``record_stream`` is a no-op here. With
+   ``SGLANG_DFLASH_TEST_CPU_OVERLAP=1`` sglang-dflash's ``overlap_supported`` then answers True on CPU, so DFLASH
+   runs SGLang's overlap schedule there (the plugin itself turns it off on CPU); the launcher logs
+   ``TEST: overlap schedule on CPU`` once.
 
 2. ``SGLANG_DFLASH_TEST_NO_HOST_LENGTHS=1``: SGLang's overlap scheduler does not mirror the committed lengths to the
    host (``decide_needs_cpu_seq_lens`` returns False), as for a GPU server whose decode step is one CUDA graph
@@ -69,5 +71,15 @@ def _patch_overlap_utils(module) -> None:
     module.decide_needs_cpu_seq_lens = decide_needs_cpu_seq_lens
 
 
+def _patch_server_args(module) -> None:
+    def overlap_supported(server_args) -> bool:
+        print("TEST: overlap schedule on CPU", file=sys.stderr, flush=True)
+        return True
+
+    module.overlap_supported = overlap_supported
+
+
+if os.environ.get("SGLANG_DFLASH_TEST_CPU_OVERLAP") == "1":
+    sys.meta_path.insert(0, _PatchAfterImport("sglang_dflash.adapter.server_args", _patch_server_args))
 if os.environ.get("SGLANG_DFLASH_TEST_NO_HOST_LENGTHS") == "1":
     sys.meta_path.insert(0, _PatchAfterImport("sglang.srt.managers.overlap_utils", _patch_overlap_utils))
