@@ -1,8 +1,7 @@
 """Time the verify-step kernels against their torch refs and an empty Triton launch (the floor).
 
 For batch 1/16/64/256 and block 8/16, on CUDA:
-  * ``build_block`` (slot gathering on) and ``accept_tokens``: the Triton launcher and the torch ref;
-    also ``build_block`` with its value checks on (``triton+checks``: one device sync per call);
+  * ``build_block`` and ``accept_tokens``: the Triton launcher and the torch ref;
   * ``split_kv_plan`` (FlashInfer's split-kv plan of the verify block, on the device) and its ref, which
     plans on the host from the lengths copied there (no graph time: it syncs);
   * the draft forward's fused ops on the bundled drafter's shapes (batch x block tokens; hidden 576,
@@ -13,7 +12,7 @@ each timed three ways (median microseconds per call):
   * ``bench_us``: ``triton.testing.do_bench``, device events around each call, with do_bench's
     L2 flush before it (the flush runs while the host launches, so launch overhead is partly hidden);
   * ``graph_us``: ``triton.testing.do_bench_cudagraph``, per-call time under CUDA-graph replay
-    (device time alone; not for ``triton+checks``, which syncs);
+    (device time alone);
   * ``host_us``: wall clock over 200 back-to-back eager calls and one synchronize (what an eager
     caller pays: Python launch overhead or device time, whichever is larger).
 The whole sweep runs twice; the JSON keeps both passes, the table shows the lower value of the two.
@@ -124,7 +123,6 @@ def main() -> int:
 
     def timed(pass_idx, kernel, b, block_size, impl, fn, graph_ok=True):
         bench = do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median") * 1e3
-        graph_ok = graph_ok and impl != "triton+checks"
         graph = do_bench_cudagraph(fn, rep=args.rep_ms, return_mode="median") * 1e3 if graph_ok else None
         results.append(dict(pass_idx=pass_idx, kernel=kernel, batch=b, block_size=block_size, impl=impl,
                             bench_us=bench, graph_us=graph, host_us=host_us(fn)))
@@ -159,8 +157,7 @@ def main() -> int:
     for pass_idx in range(2):
         for b, block_size, x, acc in cases:
             bargs = (x["last_tokens"], x["seq_lens"], block_size, MASK_ID, x["req_to_token"], x["req_pool_indices"])
-            timed(pass_idx, "build_block", b, block_size, "triton", lambda: build_block(*bargs, check_values=False))
-            timed(pass_idx, "build_block", b, block_size, "triton+checks", lambda: build_block(*bargs))
+            timed(pass_idx, "build_block", b, block_size, "triton", lambda: build_block(*bargs))
             timed(pass_idx, "build_block", b, block_size, "torch_ref", lambda: build_block_ref(*bargs))
             timed(pass_idx, "accept_tokens", b, block_size, "triton", lambda: accept_tokens(*acc))
             timed(pass_idx, "accept_tokens", b, block_size, "torch_ref", lambda: accept_ref(*acc))

@@ -12,7 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang_dflash.config import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
 from sglang_dflash.kernels import use_triton
 from sglang_dflash.verify import accept
 
@@ -88,9 +87,6 @@ def _validate(draft_tokens, target_tokens, seq_lens, out) -> None:
         raise ValueError("draft_tokens must be a 2-D int64 tensor [batch, block_size]")
     b, block_size = draft_tokens.shape
     device = draft_tokens.device
-    if not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
-        raise ValueError(f"block_size (draft_tokens.shape[1]) must be in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], "
-                         f"got {block_size}")
     expected = [("draft_tokens", draft_tokens, (b, block_size)), ("target_tokens", target_tokens, (b, block_size)),
                 ("seq_lens", seq_lens, (b,))]
     if out is not None:

@@ -32,6 +32,7 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 from sglang_dflash.adapter.sampling import greedy_accept
 from sglang_dflash.adapter.spec_inputs import DFlashBlockInput
+from sglang_dflash.adapter.tp import vocab_argmax
 from sglang_dflash.kernels.block_builder import build_block
 
 # SGLang reserves KV slot 0 for padding: padded rows of a captured step write there.
@@ -48,7 +49,9 @@ def padded_rows(n: int, captured: Sequence[int]) -> int | None:
 class StepModels:
     """What the step runs: the two models, their attention backends, the target's embeddings and lm_head, the
     draft's logit rule (`sglang_dflash.model.draft_logits`), the shared ``req_to_token`` and the draft-KV writer
-    ``commit_kv(aux_hidden [N, n_ids*H], positions [N], cache_loc [N])``."""
+    ``commit_kv(aux_hidden [N, n_ids*H], positions [N], cache_loc [N])``. Under tensor parallelism
+    ``lm_head_weight`` ``[V_local, H]`` scores ids ``vocab_start ..`` and ``vocab_group`` is the TP group the
+    vocabulary is split over (None: one rank holds it all)."""
 
     draft_model: torch.nn.Module
     target_model: torch.nn.Module
@@ -62,6 +65,8 @@ class StepModels:
     mask_token_id: int
     block_size: int
     paged_verify: bool  # FlashInfer / Triton read seq_lens as the committed prefix; torch_native needs extend lens
+    vocab_start: int = 0
+    vocab_group: Optional[object] = None
 
 
 @dataclass
@@ -133,17 +138,19 @@ class HostPlan:
 
 def propose(m: StepModels, hidden: torch.Tensor, input_ids: torch.Tensor, bs: int) -> torch.Tensor:
     """Draft hidden states [bs * B, H] and block input_ids [bs * B] -> draft_tokens [bs, B]: column 0 = the
-    bonus token, 1.. = argmax of the draft's logits (the target's lm_head, then ``m.draft_logits``)."""
+    bonus token, 1.. = argmax of the draft's logits (the target's lm_head, then ``m.draft_logits``; over every
+    rank's vocabulary shard under tensor parallelism, `tp.vocab_argmax`)."""
     B = m.block_size
-    logits = torch.matmul(hidden.view(bs, B, -1)[:, 1:], m.lm_head_weight.t())
-    return torch.cat([input_ids.view(bs, B)[:, :1], m.draft_logits(logits).argmax(dim=-1)], dim=1)
+    scores = m.draft_logits(torch.matmul(hidden.view(bs, B, -1)[:, 1:], m.lm_head_weight.t()))
+    drafts = scores.argmax(dim=-1) if m.vocab_group is None else vocab_argmax(scores, m.vocab_start, m.vocab_group)
+    return torch.cat([input_ids.view(bs, B)[:, :1], drafts], dim=1)
 
 
 def decode_step(m: StepModels, b: StepBatch, plan: Callable[[StepModels, StepBatch], None]) -> StepResult:
     """One DFLASH decode step of ``b`` with attention planned by ``plan`` (`HostPlan` or a device plan)."""
     bs, B = b.bs, m.block_size
     ids, pos, slots = build_block(b.bonus, b.seq_lens, B, m.mask_token_id, m.req_to_token, b.req_pool_indices,
-                                  out=(b.input_ids, b.positions, b.loc), check_values=False)
+                                  out=(b.input_ids, b.positions, b.loc))
     if b.valid is not None:
         slots.view(bs, B).masked_fill_(~b.valid[:, None], PADDING_SLOT)
     plan(m, b)
