@@ -163,9 +163,23 @@ def test_data_parallel_replicas_are_accepted(draft_dir):
     assert (args.dp_size, args.speculative_num_draft_tokens) == (2, 8)
 
 
+@pytest.mark.parametrize("tp, dp", [(2, 1), (2, 2), (4, 1)])
+def test_tensor_parallel_sizes_that_divide_the_draft_are_accepted(draft_dir, tp, dp):
+    """--tp-size N (with --dp-size M replicas): the draft (4 query heads, 2 KV heads, 96 intermediate) is sharded
+    with the target's TP group; at N=4 its 2 KV heads are each replicated on two ranks."""
+    from sglang_dflash.adapter.server_args import resolve_server_args
+
+    args = _args(draft_dir, tp_size=tp, dp_size=dp)
+    resolve_server_args(args)
+    assert (args.tp_size, args.dp_size, args.speculative_num_draft_tokens) == (tp, dp, 8)
+
+
 @pytest.mark.parametrize("overrides,message", [
-    ({"tp_size": 2}, "parallel sizes 2/1 "),
-    ({"pp_size": 2}, "parallel sizes 1/2 "),
+    ({"pp_size": 2}, r"pipeline parallelism \(--pp-size 2\) is not supported .* Use --pp-size 1 with tensor "
+                     r"parallelism \(--tp-size N\)"),
+    ({"tp_size": 3}, r"the draft's num_attention_heads=4, num_key_value_heads=2 cannot be split over --tp-size 3 "),
+    ({"tp_size": 8}, r"the draft's num_attention_heads=4 cannot be split over --tp-size 8 .*Use a --tp-size that "
+                     r"divides them"),
     ({"dp_size": 2, "enable_dp_attention": True}, "--enable-dp-attention"),
     ({"disaggregation_mode": "decode"}, "--disaggregation-mode decode"),
     ({"page_size": 16}, "--page-size 16"),

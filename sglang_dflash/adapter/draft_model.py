@@ -15,6 +15,10 @@ fused tables are built when the weights are loaded, on their device. Two entry p
 * `write_context_kv(aux_hidden, positions, cache_loc)`: context K/V of committed
   tokens, computed from the target's captured hidden states and written at their
   slots -- so a radix-cache prefix hit serves the draft as well as the target.
+
+Under tensor parallelism the draft is sharded with the target's TP group (`tp.DraftShard`): ``core`` is this
+rank's slice (its heads and intermediate rows; ``core.cfg`` the local shapes, ``dcfg`` the whole draft's), and
+o_proj / down_proj outputs are all-reduced.
 """
 
 from __future__ import annotations
@@ -25,10 +29,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglang.srt.distributed import tensor_model_parallel_all_reduce
+from sglang.srt.distributed.parallel_state import model_parallel_is_initialized
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.runtime_context import get_parallel
 
+from sglang_dflash.adapter.tp import DraftShard
 from sglang_dflash.config import DFlashDraftConfig
 from sglang_dflash.kernels.draft_layers import norm_rope, rms_norm, silu_mul
 from sglang_dflash.model import DFlashDraftModel, check_draft_state, rope_cos_sin
@@ -43,8 +51,11 @@ class SGLangDFlashDraft(nn.Module):
             raise ValueError("sglang-dflash: quantized DFlash drafts are not supported; use a bf16/fp16 draft.")
         self.config = config
         self.dcfg = DFlashDraftConfig.from_dict(config.to_dict())
-        self.core = DFlashDraftModel(self.dcfg)
-        c = self.dcfg
+        # this rank's slice under SGLang's TP group (the whole draft where none is initialized, e.g. outside a server)
+        rank, size = (get_parallel().tp_rank, get_parallel().tp_size) if model_parallel_is_initialized() else (0, 1)
+        self.shard = DraftShard.of(self.dcfg, rank, size)
+        self.core = DFlashDraftModel(self.shard.local_config(self.dcfg))
+        c = self.core.cfg  # this rank's head counts
         self.attn = nn.ModuleList()
         for i in range(c.num_hidden_layers):
             causal, window = c.layer_attention(i)
@@ -67,7 +78,7 @@ class SGLangDFlashDraft(nn.Module):
         per layer (the core's Linear weights are views into it, so nothing is duplicated), the q/k norm weights a
         per-head table, and every layer's context K/V projection one matrix [all layers' K ; all layers' V] with
         its own per-head k-norm table (copies: the context path projects all layers in one GEMM)."""
-        c, layers = self.dcfg, self.core.layers
+        c, layers = self.core.cfg, self.core.layers
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.qkv_weight, self.gate_up_weight, self.qk_norm_weight = [], [], []
         for layer in layers:
@@ -111,7 +122,7 @@ class SGLangDFlashDraft(nn.Module):
         gate/up GEMM, SiLU-and-mul, down_proj (the core's math; `sglang_dflash.kernels.draft_layers`)."""
         if input_embeds is None:
             raise ValueError("sglang-dflash draft forward needs input_embeds (the target's embeddings).")
-        c = self.dcfg
+        c = self.core.cfg
         n, d = input_embeds.shape[0], c.head_dim
         q_width, qk_heads = c.num_attention_heads * d, c.num_attention_heads + c.num_key_value_heads
         x = input_embeds.to(self.core.dtype)
@@ -126,9 +137,9 @@ class SGLangDFlashDraft(nn.Module):
                       layer.self_attn.q_norm.eps)
             q, k, v = qkv.split([q_width, qk_heads * d - q_width, qkv.shape[1] - qk_heads * d], dim=1)
             o = attn(q, k, v, forward_batch)
-            h, residual = rms_norm(layer.self_attn.o_proj(o), layer.post_attention_layernorm.weight,
+            h, residual = rms_norm(self._reduce(layer.self_attn.o_proj(o)), layer.post_attention_layernorm.weight,
                                    layer.post_attention_layernorm.eps, residual)
-            x = layer.mlp.down_proj(silu_mul(F.linear(h, self.gate_up_weight[i])))
+            x = self._reduce(layer.mlp.down_proj(silu_mul(F.linear(h, self.gate_up_weight[i]))))
         hidden, _ = rms_norm(x, self.core.norm.weight, self.core.norm.eps, residual)
         return LogitsProcessorOutput(next_token_logits=None, hidden_states=hidden)
 
@@ -141,7 +152,7 @@ class SGLangDFlashDraft(nn.Module):
         n = aux_hidden.shape[0]
         if n == 0:
             return
-        core, c = self.core, self.dcfg
+        core, c = self.core, self.core.cfg
         hkv, d, layers = c.num_key_value_heads, c.head_dim, c.num_hidden_layers
         ctx, _ = rms_norm(F.linear(aux_hidden.to(core.fc.weight.dtype), core.fc.weight), core.hidden_norm.weight,
                           core.hidden_norm.eps)
@@ -153,12 +164,22 @@ class SGLangDFlashDraft(nn.Module):
         for i, attn in enumerate(self.attn):
             kv_pool.set_kv_buffer(attn, cache_loc, k[:, i * hkv : (i + 1) * hkv], v[:, i * hkv : (i + 1) * hkv])
 
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum a row-parallel layer's partial outputs over the TP group (identity on one rank)."""
+        return x if self.shard.size == 1 else tensor_model_parallel_all_reduce(x)
+
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:
-        """Load through the core's checks; extra tensors (e.g. rotary caches of some exports) are ignored."""
+        """Load through the core's checks (against the whole draft's shapes), then keep this rank's slice; extra
+        tensors (e.g. rotary caches of some exports) are ignored."""
         expected = self.core.state_dict()
         state = {k: w for k, w in ((n.removeprefix("model."), w) for n, w in weights) if k in expected}
-        check_draft_state(self.core, state, self.config.name_or_path or "draft")
-        self.core.load_state_dict(state)
+        if self.shard.size == 1:
+            full = self.core
+        else:
+            with torch.device("meta"):
+                full = DFlashDraftModel(self.dcfg)
+        check_draft_state(full, state, self.config.name_or_path or "draft")
+        self.core.load_state_dict(self.shard.slice_state(state, self.dcfg.head_dim))
         self._fuse_weights()
 
 

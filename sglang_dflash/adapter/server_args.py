@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from sglang_dflash.adapter.tp import check_draft_divides
 from sglang_dflash.config import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, DFlashConfigError, DFlashDraftConfig
 
 logger = logging.getLogger(__name__)
@@ -44,14 +45,17 @@ def resolve_server_args(server_args) -> None:
     """Validate flags and the draft checkpoint; fix block size, steps and scheduling mode."""
     dcfg = load_draft_config(server_args)
 
-    if server_args.tp_size != 1 or server_args.pp_size != 1:
-        _fail(f"tensor/pipeline parallel sizes {server_args.tp_size}/{server_args.pp_size} are not supported yet",
-              "Run with --tp-size 1 --pp-size 1; to use several GPUs, serve data-parallel replicas (--dp-size N).")
+    if server_args.pp_size != 1:
+        _fail(f"pipeline parallelism (--pp-size {server_args.pp_size}) is not supported (the draft needs the target "
+              "hidden states of layers on every stage)", "Use --pp-size 1 with tensor parallelism (--tp-size N) "
+              "instead, and --dp-size M for replicas.")
+    check_draft_divides(dcfg, server_args.tp_size)
     if (server_args.disaggregation_mode or "null") != "null":
         _fail(f"--disaggregation-mode {server_args.disaggregation_mode} is not supported (the draft KV of the prompt "
               "is not transferred with the target's)", "Serve DFLASH without prefill/decode disaggregation.")
     if server_args.enable_dp_attention:
-        _fail("--enable-dp-attention is not supported", "Remove the flag; --dp-size N alone serves N replicas.")
+        _fail("--enable-dp-attention is not supported", "Remove the flag; --dp-size M alone serves M replicas, each "
+              "sharded over --tp-size N.")
     if server_args.page_size not in (None, 1):
         _fail(f"--page-size {server_args.page_size} is not supported", "Use --page-size 1.")
     if server_args.speculative_draft_window_size is not None:

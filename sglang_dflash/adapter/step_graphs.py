@@ -28,6 +28,8 @@ from typing import Sequence
 import torch
 from triton import next_power_of_2 as triton_next_power_of_2
 
+from sglang.srt.distributed.parallel_state import graph_capture
+
 from sglang_dflash.adapter.spec_inputs import write_block_kv_layout
 from sglang_dflash.adapter.step import StepBatch, StepModels, StepResult, decode_step, padded_rows
 from sglang_dflash.kernels.attention_plan import split_kv_plan
@@ -113,11 +115,13 @@ class StepGraphs:
         self.qo_indptr = torch.arange(0, (max_bs + 1) * self.B, self.B, dtype=torch.int32, device=dev)
         self.plan_scratch = torch.zeros(3 * triton_next_power_of_2(max_bs), dtype=torch.int32, device=dev)
         self.captured: dict[int, _Captured] = {}
-        stream = torch.cuda.Stream(dev)
         pool = None
-        for bs in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool
-            self.captured[bs] = self._capture(bs, stream, pool, dev)
-            pool = self.captured[bs].graph.pool()
+        # SGLang's capture context: under tensor parallelism the draft's and the target's all-reduces / gathers
+        # go to the communicators that can be captured (PyNccl, custom all-reduce), as in SGLang's own graphs
+        with graph_capture() as context:
+            for bs in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool
+                self.captured[bs] = self._capture(bs, context.stream, pool, dev)
+                pool = self.captured[bs].graph.pool()
 
     # ---- capture -------------------------------------------------------------------------
     def _capture(self, bs: int, stream: torch.cuda.Stream, pool, dev) -> _Captured:

@@ -34,6 +34,7 @@ from sglang_dflash.adapter.sampling import BlockSampler, plain_greedy
 from sglang_dflash.adapter.spec_inputs import DFlashDraftState
 from sglang_dflash.adapter.step import HostPlan, StepBatch, StepModels, decode_step
 from sglang_dflash.adapter.step_graphs import StepGraphs
+from sglang_dflash.adapter.tp import agree_on_accept, lm_head_shard, tp_group
 from sglang_dflash.config import DFlashDraftConfig
 from sglang_dflash.model import draft_logits
 
@@ -67,7 +68,10 @@ class DFlashWorker(BaseSpecWorker):
             )
         target.set_dflash_layers_to_capture(list(self.dcfg.target_layer_ids))
         self.embed = target.get_input_embeddings()
-        self.lm_head_weight = target.lm_head.weight
+        # under tensor parallelism: this rank's vocabulary shard (`tp`); every rank's accept is rank 0's
+        self.lm_head_weight, self.vocab_start, vocab_split = lm_head_shard(target.lm_head)
+        self.tp_group = tp_group()
+        self.vocab_group = self.tp_group if vocab_split else None
         self.mask_token_id = int(self.dcfg.mask_token_id)
 
         self.backend = server_args.attention_backend or "flashinfer"
@@ -101,7 +105,8 @@ class DFlashWorker(BaseSpecWorker):
                 embed=self.embed, lm_head_weight=self.lm_head_weight,
                 draft_logits=functools.partial(draft_logits, self.dcfg), commit_kv=self.commit_kv,
                 req_to_token=self.target_runner.req_to_token_pool.req_to_token, mask_token_id=self.mask_token_id,
-                block_size=self.block_size, paged_verify=self.paged_verify)
+                block_size=self.block_size, paged_verify=self.paged_verify, vocab_start=self.vocab_start,
+                vocab_group=self.vocab_group)
         return self._models
 
     def _build_draft_worker(self, server_args, gpu_id, ps, nccl_port) -> TpModelWorker:
@@ -209,7 +214,10 @@ class DFlashWorker(BaseSpecWorker):
         if plain_greedy(batch):
             accept_lens, bonus, committed, new_seq_lens = res.accept_lens, res.bonus_tokens, res.committed, res.new_seq_lens
         else:
-            accept_lens, bonus, committed, new_seq_lens = self.sampler.accept(batch, res.draft_tokens, res.logits)
+            accepted = self.sampler.accept(batch, res.draft_tokens, res.logits)
+            if self.tp_group is not None:  # sampled on every rank: rank 0's draw decides
+                accepted = agree_on_accept(accepted, self.tp_group)
+            accept_lens, bonus, committed, new_seq_lens = accepted
         if batch.return_logprob:
             self.sampler.attach_logprobs(batch, logits_output, committed)
         return GenerationBatchResult(
