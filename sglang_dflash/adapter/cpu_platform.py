@@ -24,6 +24,13 @@ on a CPU-only host (no CUDA / ROCm / XPU / MPS device, no NPU / HPU / MUSA runti
    loaded (logged with the size chosen).
 5. **Grammars.** xgrammar's token bitmask is allocated in pinned memory (needs a CUDA driver) and applied on GPU
    devices only; here it is allocated unpinned and CPU logits are masked with xgrammar's CPU kernel (same bitmask).
+6. **Tensor parallelism** (``--tp-size N``, ranks on one host; logged). The ranks' collectives run on gloo:
+   SGLang's PyNccl communicator is not created (with a CUDA build of torch it finds NCCL and then refuses CPU
+   tensors). Each rank gets its own CPUs: SGLang binds rank r to NUMA node r and asserts N <= the number of nodes;
+   with more ranks than nodes and no ``SGLANG_CPU_OMP_THREADS_BIND``, this host's CPUs are split into N contiguous
+   groups (:func:`cpu_binding`). ``TORCH_COMPILE_DISABLE=1`` (unless set, or ``--enable-torch-compile``): the
+   vocab-parallel embedding's masking is a ``torch.compile`` function, compiled to C++ on the first request
+   (~40 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -178,6 +185,7 @@ def _cpu_attention_backend(original, server_args) -> None:
     original(server_args)
     if server_args.device != "cpu":
         return
+    _cpu_tensor_parallel(server_args)
     if chosen is not None:
         check_cpu_attention_backend(chosen)
         return
@@ -197,6 +205,56 @@ def _cpu_attention_backend(original, server_args) -> None:
     server_args.attention_backend = backend
     logger.info("sglang-dflash: CPU attention backend %s, not SGLang's default intel_amx (%s); --attention-backend "
                 "chooses another.", backend, why)
+
+
+def _cpu_tensor_parallel(server_args) -> None:
+    """6 of the module docstring, in the launcher (the ranks it spawns inherit the environment)."""
+    tp = server_args.tp_size
+    if tp == 1:
+        return
+    from sglang.srt.utils.common import get_cpu_ids_by_node
+
+    chosen = []
+    if "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ and tp > len(get_cpu_ids_by_node()):
+        os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_binding(sorted(os.sched_getaffinity(0)), tp)
+        chosen.append(f"SGLANG_CPU_OMP_THREADS_BIND={os.environ['SGLANG_CPU_OMP_THREADS_BIND']} (CPUs per rank)")
+    if "TORCH_COMPILE_DISABLE" not in os.environ and not server_args.enable_torch_compile:
+        os.environ["TORCH_COMPILE_DISABLE"] = "1"
+        chosen.append("TORCH_COMPILE_DISABLE=1 (no C++ compile of the vocab-parallel embedding at the first request)")
+    logger.info("sglang-dflash: CPU tensor parallelism over %d ranks on gloo%s%s", tp, "; " if chosen else "",
+                "; ".join(chosen))
+
+
+def cpu_binding(cpus: list[int], ranks: int) -> str:
+    """SGLang's ``SGLANG_CPU_OMP_THREADS_BIND`` value splitting ``cpus`` into ``ranks`` contiguous groups (sizes
+    differing by at most one; a CPU shared round-robin where there are fewer CPUs than ranks), e.g. "0-3|4-7"."""
+    if len(cpus) < ranks:
+        groups = [[cpus[r % len(cpus)]] for r in range(ranks)]
+    else:
+        q, extra = divmod(len(cpus), ranks)
+        bounds = [r * q + min(r, extra) for r in range(ranks + 1)]
+        groups = [cpus[bounds[r]: bounds[r + 1]] for r in range(ranks)]
+    return "|".join(",".join(_ranges(g)) for g in groups)
+
+
+def _ranges(cpus: list[int]) -> list[str]:
+    """Sorted CPU ids -> "a-b" runs (a lone id as "a")."""
+    runs = []
+    for c in cpus:
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return [f"{a}-{b}" if b > a else str(a) for a, b in runs]
+
+
+def _gloo_group(original, *args, **kwargs):
+    """SGLang's ``init_model_parallel_group`` without a PyNccl communicator (CPU ranks talk through gloo)."""
+    import inspect
+
+    bound = inspect.signature(original).bind(*args, **kwargs)
+    bound.arguments["use_pynccl"] = False
+    return original(*bound.args, **bound.kwargs)
 
 
 def check_cpu_attention_backend(backend: str) -> None:
@@ -270,4 +328,6 @@ HOOKS = {
         _grammar_mask_method, ["self", "logits", "vocab_mask"]),
     "sglang.srt.constrained.xgrammar_backend.XGrammarGrammarBackend.apply_vocab_mask": (
         _grammar_mask_static, ["logits", "vocab_mask"]),
+    "sglang.srt.distributed.parallel_state.init_model_parallel_group": (
+        _gloo_group, ["group_ranks", "local_rank", "backend", "use_pynccl"]),
 }
