@@ -59,12 +59,18 @@ class DFlashCPUAttnBackend(TorchNativeAttnBackend):
 
 
 def install(runner) -> None:
-    """Serve ``runner``'s extends with `DFlashCPUAttnBackend` (it must be a CPU runner on torch_native)."""
-    old = runner.attn_backend
+    """Serve ``runner``'s extends with `DFlashCPUAttnBackend` (it must be a CPU runner on torch_native). A hybrid
+    target's backend (``HybridLinearAttnBackend``) gets it for its full-attention layers."""
+    hybrid = getattr(runner.attn_backend, "full_attn_backend", None) is not None
+    old = runner.attn_backend.full_attn_backend if hybrid else runner.attn_backend
     if type(old) is not TorchNativeAttnBackend:
         raise ValueError(f"sglang-dflash: the CPU runner uses {type(old).__name__}; DFLASH on CPU needs "
                          "--attention-backend torch_native.")
     new = DFlashCPUAttnBackend(runner)
+    if hybrid:
+        runner.attn_backend.full_attn_backend = new
+        runner.attn_backend.attn_backend_list[0] = new
+        return
     runner.attn_backend = new
     if runner.decode_attn_backend is old:
         runner.decode_attn_backend = new

@@ -339,7 +339,8 @@ def register_ops() -> None:
         _LIBRARY.impl(name, fn, "CPU")
 
 
-# dotted path -> (hook, parameter names of the hooked function; checked in `hooks.EXPECTED_SIGNATURES`)
+# dotted path -> (hook, parameter names of the hooked function; checked by `register_hooks`: these live in
+# sgl_kernel, importable only after `cpu_platform.setup` on a host without a GPU driver)
 HOOKS = {
     "sgl_kernel.mamba.causal_conv1d_update_cpu": (
         causal_conv1d_update_with_windows,
@@ -349,8 +350,16 @@ HOOKS = {
 
 
 def register_hooks() -> None:
-    """The :data:`HOOKS` (AROUND), for a CPU server."""
+    """The :data:`HOOKS` (AROUND), for a CPU server; a hooked function whose parameters differ from those it was
+    written for is refused (another SGLang / sgl-kernel version)."""
+    import inspect
+    import pkgutil
+
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    for target, (hook, _params) in HOOKS.items():
+    for target, (hook, params) in HOOKS.items():
+        found = list(inspect.signature(pkgutil.resolve_name(target)).parameters)
+        if found[: len(params)] != params:
+            raise RuntimeError(f"sglang-dflash: {target} takes {found}, not {params}: this SGLang / sgl-kernel is not "
+                               "the one sglang-dflash supports. Install sglang==0.5.17.")
         HookRegistry.register(target, hook, HookType.AROUND)

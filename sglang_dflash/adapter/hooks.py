@@ -150,9 +150,11 @@ def _ours_by_args(server_args) -> bool:
 def _handle_server_args(original, algo, server_args):
     if not _ours(algo):
         return original(algo, server_args)
+    from sglang_dflash.adapter import hybrid
     from sglang_dflash.adapter.server_args import resolve_server_args
 
     resolve_server_args(server_args)
+    hybrid.resolve_server_args(server_args)
 
 
 def _default_attn_backend(original, server_args, *args, **kwargs):

@@ -28,7 +28,7 @@ from sglang.srt.runtime_context import get_context
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.draft_worker_common import draft_server_args_overrides
 
-from sglang_dflash.adapter import cpu_attention, profiling
+from sglang_dflash.adapter import cpu_attention, hybrid, profiling
 from sglang_dflash.adapter.draft_model import SGLangDFlashDraft
 from sglang_dflash.adapter.sampling import BlockSampler, plain_greedy
 from sglang_dflash.adapter.spec_inputs import DFlashDraftState
@@ -54,6 +54,7 @@ class DFlashWorker(BaseSpecWorker):
                                                       server_args.speculative_draft_model_revision)
         self.dcfg.validate_target(self.target_runner.model_config.hf_config)
         target = self.target_runner.model
+        hybrid.add_dflash_capture(target)
         if not hasattr(target, "set_dflash_layers_to_capture"):
             raise ValueError(
                 f"sglang-dflash: target architecture {type(target).__name__} cannot expose the hidden "
@@ -88,6 +89,7 @@ class DFlashWorker(BaseSpecWorker):
         self.sampler = BlockSampler(self.device)
         self.step_graphs: StepGraphs | None = None  # the whole step as CUDA graphs (init_cuda_graphs, FlashInfer)
         self._models: StepModels | None = None
+        self.state_commit: hybrid.StateCommit | None = None  # hybrid targets (init_attention_backends)
         logger.info(
             "DFLASH served by sglang-dflash (block_size=%d, target_layer_ids=%s, mask_token_id=%d, "
             "attention_backend=%s)",
@@ -133,6 +135,7 @@ class DFlashWorker(BaseSpecWorker):
         if self.backend == "torch_native":
             for runner in (self.target_runner, self.draft_runner):
                 cpu_attention.install(runner)
+        self.state_commit = hybrid.state_commit(self.target_runner)
 
     def init_cuda_graphs(self):
         """Capture the draft runner's graphs (the target's are captured by its own worker first), then, on FlashInfer
@@ -140,6 +143,10 @@ class DFlashWorker(BaseSpecWorker):
         super().init_cuda_graphs()
         runners = (self.target_runner, self.draft_runner)
         if not str(self.device).startswith("cuda") or any(r.decode_cuda_graph_runner is None for r in runners):
+            return
+        if self.state_commit is not None:
+            logger.info("sglang-dflash: hybrid target: the decode step runs eagerly (its CUDA graph is not built "
+                        "for linear-attention states)")
             return
         if self.backend != "flashinfer" or not all(r.attn_backend.num_wrappers == 1
                                                    and r.attn_backend.prefill_backend == "fa2" for r in runners):
@@ -218,6 +225,8 @@ class DFlashWorker(BaseSpecWorker):
             if self.tp_group is not None:  # sampled on every rank: rank 0's draw decides
                 accepted = agree_on_accept(accepted, self.tp_group)
             accept_lens, bonus, committed, new_seq_lens = accepted
+        if self.state_commit is not None:  # hybrid target: linear-attention states after the committed tokens
+            self.state_commit(accept_lens)
         if batch.return_logprob:
             self.sampler.attach_logprobs(batch, logits_output, committed)
         return GenerationBatchResult(

@@ -85,3 +85,62 @@ def make_tiny_llama(
                 p.copy_(torch.randn(p.shape, generator=gen) * init_std)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+
+def make_tiny_qwen3_5(
+    out_dir: str | Path,
+    tokenizer_dir: str | Path,
+    seed: int = 0,
+    *,
+    hidden_size: int = 64,
+    num_hidden_layers: int = 4,
+    full_attention_interval: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    head_dim: int = 16,
+    linear_num_key_heads: int = 2,
+    linear_num_value_heads: int = 4,
+    linear_head_dim: int = 16,
+    intermediate_size: int = 128,
+    init_std: float = 0.2,
+) -> Path:
+    """Write a random float32 hybrid ``Qwen3_5ForCausalLM`` (``model_type`` ``qwen3_5_text``: Gated DeltaNet
+    layers with a full-attention layer every ``full_attention_interval``, dense MLPs -- the Qwen3.5 dense family,
+    Qwen3-Next-shaped without the MoE) plus tokenizer to ``out_dir``.
+
+    The config carries both ``layer_types`` (what transformers reads) and ``full_attention_interval`` (what SGLang's
+    ``Qwen3NextConfig`` derives its layer types from). Matrices (embeddings, projections, the depthwise conv) are
+    N(0, ``init_std``) like :func:`make_tiny_llama`; the 1-D parameters keep transformers' init (RMSNorm weights,
+    ``A_log`` = log U(0, 16), ``dt_bias`` = 1), so the recurrent decays stay in their trained range.
+    """
+    from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    if num_hidden_layers % full_attention_interval:
+        raise ValueError(f"num_hidden_layers={num_hidden_layers} is not a multiple of "
+                         f"full_attention_interval={full_attention_interval}")
+    out_dir = Path(out_dir)
+    copy_tokenizer(tokenizer_dir, out_dir)
+    tok = AutoTokenizer.from_pretrained(out_dir)
+    layer_types = ["full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention"
+                   for i in range(num_hidden_layers)]
+    cfg = Qwen3_5TextConfig(
+        vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads, head_dim=head_dim, linear_num_key_heads=linear_num_key_heads,
+        linear_num_value_heads=linear_num_value_heads, linear_key_head_dim=linear_head_dim,
+        linear_value_head_dim=linear_head_dim, linear_conv_kernel_dim=4, layer_types=layer_types,
+        max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    cfg.full_attention_interval = full_attention_interval
+    cfg.architectures = ["Qwen3_5ForCausalLM"]
+    torch.manual_seed(seed)
+    model = Qwen3_5ForCausalLM(cfg).to(torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * init_std)
+    model.config.torch_dtype = "float32"
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
