@@ -21,6 +21,9 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang_dflash.model import attention_mask
 
 
+QUERY_CHUNK = 256  # query rows per attention call: bounds the explicit-mask scores of a long prefill
+
+
 class DFlashCPUAttnBackend(TorchNativeAttnBackend):
     """`TorchNativeAttnBackend` whose extend attends from the new tokens only."""
 
@@ -47,13 +50,17 @@ class DFlashCPUAttnBackend(TorchNativeAttnBackend):
             prefix = int(forward_batch.extend_prefix_lens_cpu[i])
             kv_len = prefix + n
             slots = req_to_token[forward_batch.req_pool_indices[i], :kv_len]
-            q_pos = torch.arange(prefix, kv_len, device=q.device)[None]
-            mask = attention_mask(q_pos, torch.arange(kv_len, device=q.device)[None], causal, window)
-            out = scaled_dot_product_attention(
-                q[start : start + n].transpose(0, 1), k_cache[slots].transpose(0, 1).to(q.dtype),
-                v_cache[slots].transpose(0, 1).to(q.dtype), attn_mask=mask, scale=layer.scaling,
-                enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num)
-            o[start : start + n] = out.transpose(0, 1)
+            keys = k_cache[slots].transpose(0, 1).to(q.dtype)
+            values = v_cache[slots].transpose(0, 1).to(q.dtype)
+            k_pos = torch.arange(kv_len, device=q.device)[None]
+            for c in range(0, n, QUERY_CHUNK):  # a long prefill in row chunks: scores [Hq, chunk, kv_len] at most
+                rows = min(QUERY_CHUNK, n - c)
+                q_pos = torch.arange(prefix + c, prefix + c + rows, device=q.device)[None]
+                out = scaled_dot_product_attention(
+                    q[start + c : start + c + rows].transpose(0, 1), keys, values,
+                    attn_mask=attention_mask(q_pos, k_pos, causal, window), scale=layer.scaling,
+                    enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num)
+                o[start + c : start + c + rows] = out.transpose(0, 1)
             start += n
         return o.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
