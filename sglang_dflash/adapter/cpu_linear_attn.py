@@ -6,8 +6,8 @@ the model module is imported, so without them the model class is missing altoget
 missing ones here, in float32 torch with the semantics of SGLang's Triton kernels for the same call sites; a native
 CPU build, when installed, keeps its own. `causal_conv1d_update_with_windows` additionally serves the verify forward
 of speculative decoding (SGLang's CPU wrapper takes no per-step window buffer) and `rms_norm_gated` the gated
-RMSNorm (a Triton kernel without sgl-kernel's CPU build); `plugin.register` installs both on a CPU host
-(`register_hooks`).
+RMSNorm (a Triton kernel without sgl-kernel's CPU build), and `mamba_pool_on_cpu` the state pool's verify scratch
+(allocated on "cuda" by SGLang); `plugin.register` installs them on a CPU host (`register_hooks`).
 
 Layouts (SGLang's): the recurrent state pool is ``[slots, HV, V, K]`` (one ``V x K`` matrix per value head; the
 recurrence below runs on its transpose ``h [K, V]``), the conv state pool ``[slots, dim, W - 1]``, the verify
@@ -339,6 +339,34 @@ def register_ops() -> None:
         _LIBRARY.impl(name, fn, "CPU")
 
 
+class _TorchOn:
+    """``torch`` with every ``zeros`` allocated on ``device``."""
+
+    def __init__(self, device):
+        self._device = device
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def zeros(self, *args, **kwargs):
+        return torch.zeros(*args, **{**kwargs, "device": self._device})
+
+
+def mamba_pool_on_cpu(original, pool, *args, device, **kwargs):
+    """Around ``MambaPool.__init__``: SGLang 0.5.17 allocates the verify scratch of speculative decoding
+    (``intermediate_ssm``, ``intermediate_conv_window``) with ``device="cuda"`` written out; for a CPU pool every
+    allocation of the constructor goes to the CPU."""
+    from sglang.srt.mem_cache import memory_pool
+
+    if str(device) != "cpu":
+        return original(pool, *args, device=device, **kwargs)
+    memory_pool.torch = _TorchOn(device)
+    try:
+        return original(pool, *args, device=device, **kwargs)
+    finally:
+        memory_pool.torch = torch
+
+
 # dotted path -> (hook, parameter names of the hooked function; checked by `register_hooks`: these live in
 # sgl_kernel, importable only after `cpu_platform.setup` on a host without a GPU driver)
 HOOKS = {
@@ -346,6 +374,7 @@ HOOKS = {
         causal_conv1d_update_with_windows,
         ["mixed_qkv", "conv_states", "conv_weights", "bias", "activation", "conv_state_indices"]),
     "sglang.kernels.ops.attention.fla.layernorm_gated.RMSNorm.forward": (rms_norm_gated, ["self", "x", "z"]),
+    "sglang.srt.mem_cache.memory_pool.MambaPool.__init__": (mamba_pool_on_cpu, ["self"]),
 }
 
 
