@@ -7,7 +7,8 @@ CPU hooks, as in a ``--tp-size 2`` server) and run sglang-dflash's TP pieces aga
 * the draft's proposal over the vocab-parallel lm_head (`step.propose` with `tp.vocab_argmax`) equals the
   full-vocabulary argmax of the draft logits, soft-capped logits with ties included;
 * sampled accepts drawn with different random states per rank differ, and `tp.agree_on_accept` makes every rank
-  take rank 0's.
+  take rank 0's;
+* the CPU KV budget is the smallest of the ranks'.
 
 Each rank writes what it computed; the test compares them across ranks. ``python tests/test_tp.py RANK PORT OUT``
 is one rank.
@@ -172,6 +173,7 @@ def _rank(rank: int, port: int, out_dir: Path) -> None:
     ps.initialize_model_parallel(tensor_model_parallel_size=TP)
     group = ps.get_tp_group()
     assert group.world_size == TP and group.pynccl_comm is None
+    assert cpu_platform._min_over_ranks(1000 + 7 * rank) == 1000  # one KV pool size for every rank
     out: dict = {}
     _draft_checks(rank, out)
     _propose_checks(rank, group, out)

@@ -21,7 +21,7 @@ on a CPU-only host (no CUDA / ROCm / XPU / MPS device, no NPU / HPU / MUSA runti
    CPU is refused with one line naming it.
 4. **KV pool.** SGLang sizes a CPU KV pool from ``--mem-fraction-static`` of the host's RAM (~60% of it); without
    ``--max-total-tokens`` the pool gets at most ``1 / KV_RAM_SHARE`` of the RAM available once the weights are
-   loaded (logged with the size chosen).
+   loaded (logged with the size chosen; the same on every tensor-parallel rank: the smallest of theirs).
 5. **Grammars.** xgrammar's token bitmask is allocated in pinned memory (needs a CUDA driver) and applied on GPU
    devices only; here it is allocated unpinned and CPU logits are masked with xgrammar's CPU kernel (same bitmask).
 6. **Tensor parallelism** (``--tp-size N``, ranks on one host; logged). The ranks' collectives run on gloo:
@@ -281,13 +281,28 @@ def _cpu_kv_budget(original, configurator, pre_model_load_memory) -> int:
     import psutil
 
     available = psutil.virtual_memory().available
-    cap = available // KV_RAM_SHARE
+    cap = _min_over_ranks(available // KV_RAM_SHARE)
     if budget <= cap:
         return budget
     logger.info("sglang-dflash: CPU KV pool of %.2f GiB: 1/%d of the %.1f GiB of RAM available after loading the "
                 "weights (SGLang's --mem-fraction-static would take %.2f GiB); --max-total-tokens N sets the pool "
                 "size instead.", cap / 2**30, KV_RAM_SHARE, available / 2**30, budget / 2**30)
     return cap
+
+
+def _min_over_ranks(n: int) -> int:
+    """The smallest ``n`` of this server's ranks (``n`` itself on one rank): tensor-parallel ranks share one host's
+    RAM and must size the same KV pool (each schedules on its own copy of the pool's state)."""
+    from sglang.srt.distributed import get_world_group
+
+    group = get_world_group()
+    if group.world_size == 1:
+        return n
+    import torch
+
+    t = torch.tensor([n], dtype=torch.int64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=group.cpu_group)
+    return int(t.item())
 
 
 def _unpinned_token_bitmask(original, vocab_size: int, batch_size: int):
