@@ -89,7 +89,7 @@ def test_greedy_matches_tp1_nospec(nospec, dflash, tokenizer, models):
     meta = [g["meta_info"] for g in got]
     assert all(1 <= m["spec_verify_ct"] <= max(1, m["completion_tokens"] - 1) for m in meta if m["completion_tokens"] > 1)
     accept_len = sum(m["completion_tokens"] for m in meta) / sum(m["spec_verify_ct"] for m in meta)
-    if models[2]:  # the trained drafter (about 2.3 on these prompts at one rank)
+    if models[2]:  # the trained drafter (its decode steps averaged an accept length of 2.14 in the run that added this)
         assert accept_len > 1.8, accept_len
 
 
