@@ -60,6 +60,10 @@ SERVER_FLAGS = ["--attention-backend", "flashinfer", "--sleep-on-idle",
 PREFILL_GRAPH_TOKENS = "none"
 
 
+# sglang-dflash servers besides "ours" (adaptive verify width, the default): the envelope every cell compares with
+OURS_ADAPTIVE_CONFIG = {"ours_fixed": '{"adaptive": false}', "ours_w4": '{"widths": [4]}', "ours_w8": '{"widths": [8]}'}
+
+
 def server_flags(base: str, prefill_graph_tokens: str) -> list[str]:
     """Every server's flags: ``base`` (space-separated) plus the prefill CUDA graph choice, captured for the
     comma-separated lengths ``prefill_graph_tokens`` or, for ``none``, off (the prefill runs eagerly)."""
@@ -343,7 +347,9 @@ def main():
     ap.add_argument("--work", default=None, help="where the synthetic bound models go (default OUT/models)")
     ap.add_argument("--prompts-dir", default=None, help="held-out prompt files instead of the dataset packages")
     ap.add_argument("--workloads", default="real,bound_accept_all,bound_accept_none")
-    ap.add_argument("--impls", default="nospec,builtin,ours")
+    ap.add_argument("--impls", default="nospec,builtin,ours,ours_fixed",
+                    help="servers per workload: nospec, builtin, ours (adaptive verify width, the default), "
+                         "ours_fixed (every step verifies the block), ours_w4 / ours_w8 (width pinned)")
     ap.add_argument("--profile", action="store_true", help="extra sglang-dflash server with per-phase timing")
     ap.add_argument("--timeline", action="store_true",
                     help="the sglang-dflash servers record where a step's time goes (device busy / idle, host in and "
@@ -416,6 +422,8 @@ def main():
             # server runs the synchronous scheduler (so it also shows what the overlap schedule buys)
             env["SGLANG_DFLASH_PROFILE"] = str(out / f"phases_{w}.json")
             extra = [*extra, "--disable-overlap-schedule"]
+        if impl in OURS_ADAPTIVE_CONFIG:
+            extra = [*extra, "--speculative-adaptive-config", OURS_ADAPTIVE_CONFIG[impl]]
         if impl == "ours" and args.timeline:
             env["SGLANG_DFLASH_TIMELINE"] = str(out / f"timeline_{w}.json")
         servers[(w, impl)] = Server(f"{w}_{impl}", tgt, None if impl == "nospec" else drf, env_impl, out, extra,
@@ -516,9 +524,11 @@ def print_table(results) -> None:
     """ours ms/step = TPOT x accept length: the time between two of our decode steps as a client sees it."""
     rows = sorted({(r["workload"], r["temperature"], r["concurrency"]) for r in results["runs"]})
     print(f"\nmedian of {results['args']['repeats']} passes per cell; spread = (max - min) / median of ours")
+    print("ours = adaptive verify width; envelope = the best of no-spec and ours at fixed widths measured in the run")
     print("| workload | T | conc | no-spec tok/s | built-in tok/s (τ) | ours tok/s (τ) | ours/no-spec | ours/built-in "
-          "| ours TTFT ms | ours TPOT ms | ours ms/step | no-spec TPOT ms | spread | ours sync+profiled tok/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| ours/envelope | fixed / w4 / w8 tok/s | ours TTFT ms | ours TPOT ms | ours ms/step | no-spec TPOT ms "
+          "| spread | ours sync+profiled tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for w, t, c in rows:
         ref_w = "real" if w == "bound_accept_none" else w
         ns, _, ns_tpot, _, _ = _tput(results, ref_w, "nospec", c, t)
@@ -530,8 +540,11 @@ def print_table(results) -> None:
         tau = lambda x: "" if x is None else f" ({x:.2f})"
         ratio = lambda a, b: "—" if not a or not b else f"{a / b:.2f}x"
         step = None if ours_tpot is None or ours_tau is None else ours_tpot * ours_tau
+        fixed = [_tput(results, w, impl, c, t)[0] for impl in OURS_ADAPTIVE_CONFIG]
+        envelope = max([x for x in [ns, *fixed] if x] or [0]) or None
         print(f"| {w} | {t:g} | {c} | {f(ns)} | {f(bi)}{tau(bi_tau)} | {f(ours)}{tau(ours_tau)} | "
-              f"{ratio(ours, ns)} | {ratio(ours, bi)} | {ms(ours_ttft)} | {ms(ours_tpot)} | {ms(step)} | "
+              f"{ratio(ours, ns)} | {ratio(ours, bi)} | {ratio(ours, envelope)} | {' / '.join(map(f, fixed))} | "
+              f"{ms(ours_ttft)} | {ms(ours_tpot)} | {ms(step)} | "
               f"{ms(ns_tpot)} | {'—' if spread is None else f'{spread:.0%}'} | {f(prof)} |")
     for w, phases in results.get("phases", {}).items():
         print(f"\nsglang-dflash per-phase ms/step, {w} (synchronous scheduler, synchronized phases):",
@@ -566,7 +579,7 @@ def plot(results, path: Path) -> None:
         return
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (w, t) in zip(axes[0], panels):
-        for impl in ("nospec", "builtin", "ours"):
+        for impl in ("nospec", "builtin", "ours", *OURS_ADAPTIVE_CONFIG):
             src_w = "real" if (w == "bound_accept_none" and impl == "nospec") else w
             pts = sorted((r["concurrency"], r["output_throughput"]) for r in results["runs"]
                          if r["workload"] == src_w and r["impl"] == impl and r["temperature"] == t

@@ -26,6 +26,7 @@ from transformers import DynamicCache
 
 from .config import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
 from .model import DFlashDraftModel, DraftKVCache, draft_logits, load_draft
+from .policy import WidthPolicy
 from .verify import accept, greedy_predictions, sample_predictions, target_probs
 
 Prompts = Union[Sequence[Sequence[int]], torch.Tensor]
@@ -261,10 +262,13 @@ class DFlashLM:
         min_p: float = 0.0,
         stop_token_ids: Optional[Sequence[int]] = None,
         seed: Optional[int] = None,
+        widths: Optional[WidthPolicy] = None,
     ) -> DFlashOutput:
         """Generate up to ``max_new_tokens`` per prompt; greedy output equals the target's own greedy decoding.
 
         input_ids: list of token-id lists (ragged) or a ``[b, T]`` tensor. stop_token_ids None -> target eos.
+        widths: the verify width per step (`sglang_dflash.policy`, fed with each step's wall time); None: every
+        step verifies the whole block. A width-1 step is a plain decode step (no draft forward).
         """
         prompts = _as_prompts(input_ids)
         batch = _Batch(self.target, prompts, max_new_tokens, _stop_set(self.target, stop_token_ids))
@@ -298,22 +302,28 @@ class DFlashLM:
                 dcache.select(idx)
                 sampler.select(idx)
                 last = last[idx]
-            # draft: one forward over the block
+            w = B if widths is None else widths.choose(last.shape[0])
+            step_start = time.perf_counter()
+            # draft: one forward over the block, its proposals for the w - 1 verified positions
             block = torch.full((last.shape[0], B), self.mask_token_id, dtype=torch.long, device=device)
             block[:, 0] = last
             positions = batch.seq_lens[:, None] + offsets
-            kvs, mask = dcache.views(B)
-            hidden = self.draft(F.embedding(block, self.embed.weight), positions, kvs, mask)
-            logits = self.lm_head(hidden[:, 1:].to(self.lm_head.weight.dtype))
-            block[:, 1:] = draft_logits(self.draft.cfg, logits).argmax(-1)
-            # verify: one target forward over the block
+            if w > 1:
+                kvs, mask = dcache.views(B)
+                hidden = self.draft(F.embedding(block, self.embed.weight), positions, kvs, mask)
+                logits = self.lm_head(hidden[:, 1:w].to(self.lm_head.weight.dtype))
+                block[:, 1:w] = draft_logits(self.draft.cfg, logits).argmax(-1)
+            block, positions = block[:, :w], positions[:, :w]
+            # verify: one target forward over the first w block positions
             out = batch.forward(block, positions, hidden=True)
             target_tokens = sampler.target_tokens(block, out.logits)
             accept_lens, bonus = accept(block, target_tokens)
             n_keep = accept_lens + 1
-            batch.keep_slots(n_keep, B)
+            batch.keep_slots(n_keep, w)
             self._append_context(dcache, self._context_features(out.hidden_states), positions, n_keep)
             steps += 1
+            if widths is not None:
+                widths.observe(last.shape[0], w, accept_lens.tolist(), time.perf_counter() - step_start)
             committed = target_tokens.tolist()  # d_1..d_acc == target_tokens[:acc]; bonus = target_tokens[acc]
             keep_list = n_keep.tolist()
             rows = batch.rows.tolist()

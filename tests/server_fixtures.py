@@ -157,8 +157,14 @@ def nccl_port_args(n: int) -> list[list[str]]:
     return [["--nccl-port", str(free_port())] for _ in range(n)]
 
 
+# The tests compare DFLASH's verify steps with the reference engine's fixed-width steps: the verify width is pinned
+# to the block size unless a test passes its own --speculative-adaptive-config.
+FIXED_WIDTH = ["--speculative-adaptive-config", '{"adaptive": false}']
+
+
 def dflash_args(draft_dir: str | Path, *extra: str) -> list[str]:
-    return ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft_dir), *extra]
+    pin = [] if "--speculative-adaptive-config" in extra else FIXED_WIDTH
+    return ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft_dir), *pin, *extra]
 
 
 @contextlib.contextmanager

@@ -34,20 +34,24 @@ def test_table_reports_medians_and_spread(capsys):
     results = {"args": {"repeats": 3}, "identity": {}, "runs": [
         bench.median_row([{"output_throughput": v} for v in vals], "real", impl, 0.0, 1)
         for impl, vals in (("nospec", [500.0, 520.0, 480.0]), ("builtin", [400.0, 380.0, 390.0]),
-                           ("ours", [450.0, 300.0, 600.0]))]}
+                           ("ours", [450.0, 300.0, 600.0]), ("ours_fixed", [420.0, 430.0, 410.0]),
+                           ("ours_w8", [520.0, 510.0, 530.0]))]}
     results["phases"] = {"real": {"ms_per_step": {"step_graph": 2.5}},
                          "bound_accept_all": {"ms_per_step": {"step_graph": 2.0}}}
     bench.print_table(results)
     out = capsys.readouterr().out
     assert "median of 3 passes per cell" in out
     assert 'per-phase ms/step, bound_accept_all (synchronous scheduler, synchronized phases): {"step_graph": 2.0}' in out
-    assert "| real | 0 | 1 | 500 | 390 | 450 | 0.90x | 1.15x | — | — | — | — | 67% | — |\n" in out
+    # the envelope: the best of no-spec (500) and the fixed widths (420, 520, none at 4)
+    assert "| real | 0 | 1 | 500 | 390 | 450 | 0.90x | 1.15x | 0.87x | 420 / — / 520 | — | — | — | — | 67% | — |\n" \
+        in out
     timed = {"args": {"repeats": 1}, "identity": {}, "runs": [
         bench.median_row([{"output_throughput": 1000.0, "mean_tpot_ms": 0.25, "mean_ttft_ms": 20.0,
                            "accept_length": 16.0}], "bound_accept_all", "ours", 0.0, 1),
         bench.median_row([{"output_throughput": 100.0, "mean_tpot_ms": 1.5}], "bound_accept_all", "nospec", 0.0, 1)]}
     bench.print_table(timed)
-    assert "| bound_accept_all | 0 | 1 | 100 | — | 1,000 (16.00) | 10.00x | — | 20.00 | 0.25 | 4.00 | 1.50 | 0% | — |\n" \
+    assert ("| bound_accept_all | 0 | 1 | 100 | — | 1,000 (16.00) | 10.00x | — | 10.00x | — / — / — | 20.00 | 0.25 | "
+            "4.00 | 1.50 | 0% | — |\n") \
         in capsys.readouterr().out
 
 

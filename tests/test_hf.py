@@ -82,6 +82,35 @@ def test_greedy_equals_target_generate(target, stopped, block_size):
     assert base.sequences == expected
 
 
+class CyclingWidths:
+    """A verify-width policy that cycles through ``widths`` (one per step) and records what it observed."""
+
+    def __init__(self, widths):
+        self.widths, self.i, self.observed = list(widths), 0, []
+
+    def choose(self, bs):
+        w = self.widths[self.i % len(self.widths)]
+        self.i += 1
+        return w
+
+    def observe(self, bs, width, accept_lens, seconds):
+        assert seconds > 0
+        self.observed.append((bs, width, list(accept_lens)))
+
+
+def test_greedy_equals_target_generate_at_changing_widths(target, stopped):
+    """Widths 1 (plain decode steps), odd and full widths, changing every step: the greedy output is still the
+    target's, and every step's accept lengths fit its width."""
+    draft = DFlashDraftModel(make_draft_config(target.config, block_size=8)).eval()
+    stops, expected = stopped
+    widths = CyclingWidths([1, 8, 3, 1, 2, 5])
+    out = DFlashLM(target, draft).generate(_prompts(), max_new_tokens=24, stop_token_ids=stops, widths=widths)
+    assert out.sequences == expected
+    assert {w for _, w, _ in widths.observed} == {1, 2, 3, 5, 8}
+    assert all(0 <= a <= w - 1 for _, w, lens in widths.observed for a in lens)
+    assert [bs for bs, _, _ in widths.observed] == [len(lens) for _, _, lens in widths.observed]
+
+
 @pytest.mark.parametrize("max_new_tokens", [1, 2])
 def test_tiny_max_new_tokens(target, references, max_new_tokens):
     draft = DFlashDraftModel(make_draft_config(target.config, block_size=8)).eval()
@@ -217,8 +246,9 @@ class ChainDraft(DFlashDraftModel):
         return target.model.norm(table[prev])
 
 
-def _expected_run(ref: list[int], block_size: int, max_new_tokens: int, stops: list[int]):
-    """Simulate the accept rule on a reference continuation.
+def _expected_run(ref: list[int], block_size: int, max_new_tokens: int, stops: list[int], widths=None):
+    """Simulate the accept rule on a reference continuation (step k verifies ``widths[k % len]`` positions; default
+    the whole block).
 
     Returns (tokens, accept_lens, accepted) where accepted[k] says token k was an accepted draft token
     followed by more committed tokens of the same step (so a stop there truncates inside the block).
@@ -227,8 +257,9 @@ def _expected_run(ref: list[int], block_size: int, max_new_tokens: int, stops: l
     if out[-1] in stops or max_new_tokens == 1:
         return out, accepts, accepted
     while True:
+        width = widths[len(accepts) % len(widths)] if widths else block_size
         acc = 0
-        while acc < block_size - 1 and not _is_bad(ref[last + acc + 1]):
+        while acc < width - 1 and not _is_bad(ref[last + acc + 1]):
             acc += 1
         accepts.append(acc)
         new = ref[last + 1 : last + acc + 2][: max_new_tokens - len(out)]
@@ -274,15 +305,38 @@ def test_right_draft_exact_accept_lens(family, block_size):
     assert out.mean_accept_length > 2.0 if block_size > 2 else out.mean_accept_length > 1.5
 
 
+def test_right_draft_exact_accept_lens_at_changing_widths():
+    """The known-permutation draft at widths cycling 16, 1, 5, 2: each step accepts exactly what its width lets
+    through (the simulation), and the outputs are the target's."""
+    target = make_permutation_target("qwen3")
+    draft = ChainDraft(make_draft_config(target.config, block_size=16), target).eval()
+    cycle = [16, 1, 5, 2]
+    prompts = _prompts()
+    out = DFlashLM(target, draft).generate(prompts, max_new_tokens=40, stop_token_ids=[42],
+                                           widths=CyclingWidths(cycle))
+    for i, p in enumerate(prompts):
+        ref = [_perm_next(p[-1])]
+        while len(ref) < 80:
+            ref.append(_perm_next(ref[-1]))
+        tokens, accepts, _ = _expected_run(ref, 16, 40, [42], widths=cycle)  # every row starts at step 0
+        assert out.accept_lens[i] == accepts
+        assert out.sequences[i] == tokens == _hf_greedy(target, p, 40, [42])
+    lens = [a for log in out.accept_lens for a in log]
+    assert 0 in lens and max(lens) > 4  # plain decode steps, and a whole-block step past width 5's cap
+
+
 # ------------------------------------------------------------------ sampling
 
-def test_sampling_matches_target_distribution():
-    """Joint law of the first three sampled tokens (top_k=3 keeps it to 27 cells) == the target's."""
+@pytest.mark.parametrize("widths", [None, [1, 3], [2, 1]])
+def test_sampling_matches_target_distribution(widths):
+    """Joint law of the first three sampled tokens (top_k=3 keeps it to 27 cells) == the target's, at the block
+    size and with verify widths changing between steps (a plain decode step, then a verify, and the reverse)."""
     target = make_permutation_target("qwen3")
     draft = ChainDraft(make_draft_config(target.config, block_size=4), target).eval()
     prompt, n, temp = [11, 22, 33], 6000, 12.0
     params = dict(temperature=temp, top_k=3, top_p=1.0, min_p=0.0)
-    out = DFlashLM(target, draft).generate([prompt] * n, max_new_tokens=3, stop_token_ids=[], seed=0, **params)
+    out = DFlashLM(target, draft).generate([prompt] * n, max_new_tokens=3, stop_token_ids=[], seed=0, **params,
+                                           widths=widths and CyclingWidths(widths))
     assert all(len(s) == 3 for s in out.sequences)
     assert sum(a > 0 for log in out.accept_lens for a in log) > n // 10  # drafts really get accepted
 

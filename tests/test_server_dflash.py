@@ -40,6 +40,10 @@ OVERLAP_ENV = {"SGLANG_DFLASH_TEST_CPU_OVERLAP": "1"}  # on CPU: run the overlap
 # SGLANG_DFLASH_TEST_SYNC=1: the fixture's DFLASH servers run the synchronous scheduler instead (to tell a difference
 # of the overlap schedule from one of DFLASH itself)
 SYNC_ARGS = ["--disable-overlap-schedule"] if os.environ.get("SGLANG_DFLASH_TEST_SYNC") == "1" else []
+# Verify widths changing every step (CPU: forced to cycle through MIXED_WIDTHS by the harness; GPU: the adaptive
+# policy's choice among the candidates).
+MIXED_WIDTHS = "16,1,3,1,2,8,16,5"
+MIXED_WIDTHS_ARGS = ["--speculative-adaptive-config", '{"widths": [1, 2, 3, 5, 8, 16]}']
 
 # Short-answer questions whose greedy reply ends with <|im_end|> well inside MAX_EOS_TOKENS
 # (8 to 35 tokens), so EOS lands inside a verify block.
@@ -129,9 +133,12 @@ def servers(target, drafter, tmp_path_factory):
                         OVERLAP_ENV),
              # memory pressure + chunked prefill: SGLang retracts a running request every few forwards
              # (SGLANG_TEST_RETRACT) and prompts are prefilled in chunks of 64 tokens; the scheduler does not copy the
-             # committed lengths to the host (as with the GPU step graphs; the step reads them itself).
-             "dflash_stress": (target, [*SERVER_ARGS, *dflash_args(drafter[0]), "--chunked-prefill-size", "64", *SYNC_ARGS],
-                               {"SGLANG_TEST_RETRACT": "1", "SGLANG_DFLASH_TEST_NO_HOST_LENGTHS": "1", **OVERLAP_ENV})}
+             # committed lengths to the host (as with the GPU step graphs; the step reads them itself); the verify
+             # width changes every step, plain decode steps (width 1) and odd widths included.
+             "dflash_stress": (target, [*SERVER_ARGS, *dflash_args(drafter[0], *MIXED_WIDTHS_ARGS),
+                                        "--chunked-prefill-size", "64", *SYNC_ARGS],
+                               {"SGLANG_TEST_RETRACT": "1", "SGLANG_DFLASH_TEST_NO_HOST_LENGTHS": "1",
+                                "SGLANG_DFLASH_TEST_WIDTHS": MIXED_WIDTHS, **OVERLAP_ENV})}
     with launch_servers(specs, log_dir=tmp_path_factory.mktemp("server-logs")) as s:
         yield s
 
@@ -587,8 +594,10 @@ def homogeneity_p_value(a: Counter, b: Counter, min_pooled: int = 10) -> float:
     return float(chi2_contingency(rows, correction=False).pvalue)
 
 
-def test_sampling_distribution_matches_nospec(nospec, dflash, tokenizer):
-    """The 2nd generated token (the first one decided by a DFLASH verify step) has the no-spec law.
+@pytest.mark.parametrize("name", ["dflash", "dflash_stress"])
+def test_sampling_distribution_matches_nospec(servers, nospec, tokenizer, name):
+    """The 2nd generated token (the first one decided by a DFLASH verify step) has the no-spec law, at the block
+    size (``dflash``) and at verify widths changing every step (``dflash_stress``).
 
     Bound: Pearson's two-sample chi-square homogeneity test over the 2nd-token categories must give
     p >= 1e-4 (a correct implementation fails this run with probability ~1e-4). With 300 samples per
@@ -599,6 +608,7 @@ def test_sampling_distribution_matches_nospec(nospec, dflash, tokenizer):
     """
     from sglang_dflash import data
 
+    dflash = servers[name]
     ids = chat_ids(tokenizer, data.apply_chat([SAMPLING_QUESTION], tokenizer))[0]
     params = {"temperature": 1.0, "max_new_tokens": 2, "ignore_eos": True}
     want, got = on_both(nospec, dflash, lambda s: sample_pairs(s, ids, params))
@@ -890,9 +900,9 @@ def test_custom_logit_processors_match_nospec(nospec, dflash, tokenizer, loader_
 
 
 def test_retraction_and_chunked_prefill_keep_greedy_exact(servers, greedy_cases, greedy_results):
-    """Plain greedy cases on a DFLASH server that retracts requests under (simulated) memory pressure and
-    prefills in 64-token chunks, with no host mirror of the committed lengths: outputs still equal no-spec, and the
-    log shows all three really happened."""
+    """Plain greedy cases on a DFLASH server that retracts requests under (simulated) memory pressure, prefills in
+    64-token chunks, has no host mirror of the committed lengths and changes its verify width every step (plain
+    decode steps included): outputs still equal no-spec, and the log shows all of it really happened."""
     stress = servers["dflash_stress"]
     rows = [(c, want) for c, want in zip(greedy_cases, greedy_results[0]) if c.kind in ("plain", "eos")]
     got = generate_all(stress, [c.payload() for c, _ in rows])
@@ -903,6 +913,8 @@ def test_retraction_and_chunked_prefill_keep_greedy_exact(servers, greedy_cases,
     assert max(len(c.input_ids) for c, _ in rows) > 64  # some prompt really needed several chunks
     if DEVICE == "cpu" and not SYNC_ARGS:  # the test hook (CPU servers only) under the overlap schedule
         assert "TEST: no host mirror of committed lengths" in log
+    if DEVICE == "cpu":
+        assert f"TEST: verify widths cycle [{MIXED_WIDTHS.replace(',', ', ')}]" in log
 
 
 def test_abort_mid_generation_then_serve_exactly(nospec, dflash, greedy_cases, greedy_results):

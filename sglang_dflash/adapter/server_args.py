@@ -6,6 +6,7 @@ import logging
 
 from sglang_dflash.adapter.tp import check_draft_divides
 from sglang_dflash.config import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, DFlashConfigError, DFlashDraftConfig
+from sglang_dflash.policy import AdaptiveConfig, PolicyConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,16 @@ def resolve_server_args(server_args) -> None:
     if not MIN_BLOCK_SIZE <= block <= MAX_BLOCK_SIZE:
         _fail(f"block size {block} is out of range [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]",
               "Pass --speculative-dflash-block-size within that range.")
+    if server_args.speculative_adaptive:
+        logger.info("sglang-dflash: --speculative-adaptive is SGLang's EAGLE switch; DFLASH served by sglang-dflash "
+                    "chooses its verify width per step unless --speculative-adaptive-config says otherwise")
+        server_args.speculative_adaptive = False
+    try:
+        adaptive = AdaptiveConfig.parse(server_args.speculative_adaptive_config, block)
+    except PolicyConfigError as e:
+        raise ValueError(f"sglang-dflash: {e}") from None
+    logger.info("sglang-dflash: verify widths %s (%s)", list(adaptive.widths),
+                "chosen per step" if len(adaptive.widths) > 1 else "fixed")
     if block > dcfg.block_size:
         logger.warning("sglang-dflash: block size %d exceeds the %d the draft was trained with.", block,
                        dcfg.block_size)

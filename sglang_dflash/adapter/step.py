@@ -10,11 +10,13 @@ plans the attention, a strategy chosen once per call site:
 * `HostPlan`: each backend's ``init_forward_metadata`` from the committed lengths on the host (any backend);
 * `step_graphs.DevicePlan`: FlashInfer's paged layout and split-kv plan written on the device inside the graph.
 
-Both forwards are TARGET_VERIFY-shaped batches over one block of B tokens per request: the draft's block is
-``[bonus, MASK x (B-1)]``, the target's ``[bonus, d_1 .. d_{B-1}]``, at positions ``seq_len + arange(B)`` and at the
-request's reserved KV slots, so both models' K/V land at the same token slots. The result's accept is the greedy
-one (the target's argmax); a batch that needs more (sampling, grammars, penalties, custom processors) accepts on
-``StepResult.logits`` with `sampling.BlockSampler`.
+Both forwards are TARGET_VERIFY-shaped batches at the request's reserved KV slots, so both models' K/V land at the
+same token slots: the draft's block is ``[bonus, MASK x (B-1)]`` at positions ``seq_len + arange(B)``; the target
+verifies the first ``w`` of them, ``[bonus, d_1 .. d_{w-1}]``, where ``w`` is the step's verify width
+(`StepBatch.width`, `sglang_dflash.policy`; B unless chosen otherwise). Width 1 is a plain decode step: no draft
+forward, the target decodes the bonus token and the draft's context K/V for it is still written. The result's
+accept is the greedy one (the target's argmax); a batch that needs more (sampling, grammars, penalties, custom
+processors) accepts on ``StepResult.logits`` with `sampling.BlockSampler`.
 """
 
 from __future__ import annotations
@@ -71,13 +73,13 @@ class StepModels:
 
 @dataclass
 class StepResult:
-    """One decode step of ``bs`` requests (n = bs * B rows)."""
+    """One decode step of ``bs`` requests at verify width ``w`` (n = bs * w rows)."""
 
-    draft_tokens: torch.Tensor  # [bs, B]: column 0 the bonus token, 1.. the drafts
+    draft_tokens: torch.Tensor  # [bs, w]: column 0 the bonus token, 1.. the verified drafts
     logits: torch.Tensor  # [n, V] verify logits
     accept_lens: torch.Tensor  # [bs] greedy
     bonus_tokens: torch.Tensor  # [bs]
-    committed: torch.Tensor  # [bs, B] (-1 padded)
+    committed: torch.Tensor  # [bs, w] (-1 padded)
     new_seq_lens: torch.Tensor  # [bs]
 
 
@@ -85,38 +87,51 @@ class StepBatch:
     """The tensors one step reads and writes, and the two ForwardBatches over them.
 
     Inputs: ``bonus`` ``[bs]``, ``seq_lens`` ``[bs]`` int64 committed lengths, ``req_pool_indices`` ``[bs]`` int64
-    and, for padded captures, ``valid`` ``[bs]`` bool (False rows write their KV to the padding slot). Block tensors
-    ``input_ids`` / ``positions`` / ``loc`` / ``verify_ids`` ``[bs * B]``; ``accept_out``: the buffers the greedy
-    accept writes (None: fresh tensors). ``seq_lens_cpu`` (host plans only) are the committed lengths on the host.
+    and, for padded captures, ``valid`` ``[bs]`` bool (False rows write their KV to the padding slot). ``width``: the
+    target's verify width w (1..B; 1 = plain decode, no draft forward). Draft block tensors ``input_ids`` /
+    ``positions`` / ``loc`` ``[bs * B]`` (absent at width 1); the target's ``verify_ids`` / ``verify_positions`` /
+    ``verify_loc`` ``[bs * w]`` (the draft's own tensors at w = B); ``accept_out``: the buffers the greedy accept
+    writes (None: fresh tensors). ``seq_lens_cpu`` (host plans only) are the committed lengths on the host.
     """
 
     def __init__(self, m: StepModels, bonus, seq_lens, req_pool_indices, valid=None, seq_lens_cpu=None,
-                 accept_out=None, logits_buffer=None):
+                 accept_out=None, logits_buffer=None, width: int | None = None):
         bs, B = seq_lens.shape[0], m.block_size
+        w = self.width = B if width is None else width
         dev = seq_lens.device
         self.bs, self.bonus, self.seq_lens, self.req_pool_indices, self.valid = bs, bonus, seq_lens, req_pool_indices, valid
         self.accept_out = accept_out
-        self.input_ids, self.positions, self.loc, self.verify_ids = (
-            torch.zeros(bs * B, dtype=torch.int64, device=dev) for _ in range(4))
+        zeros = lambda n: torch.zeros(n, dtype=torch.int64, device=dev)  # noqa: E731
         if seq_lens_cpu is None:  # captured: the capture's lengths (a device plan rewrites them per replay)
             seq_lens_cpu = torch.ones(bs, dtype=torch.int64)
-        self.draft_fb = block_forward_batch(m, self, self.input_ids, seq_lens_cpu, CaptureHiddenMode.NULL)
-        self.target_fb = block_forward_batch(m, self, self.verify_ids, seq_lens_cpu, CaptureHiddenMode.FULL)
+        self.draft_fb = None
+        if w > 1:
+            self.input_ids, self.positions, self.loc = zeros(bs * B), zeros(bs * B), zeros(bs * B)
+            self.draft_fb = block_forward_batch(m, self, self.input_ids, self.positions, self.loc, B, seq_lens_cpu,
+                                               CaptureHiddenMode.NULL)
+        shared = w == B
+        self.verify_ids = zeros(bs * w)
+        self.verify_positions = self.positions if shared else zeros(bs * w)
+        self.verify_loc = self.loc if shared else zeros(bs * w)
+        self.target_fb = block_forward_batch(m, self, self.verify_ids, self.verify_positions, self.verify_loc, w,
+                                             seq_lens_cpu, CaptureHiddenMode.FULL)
         self.target_fb.next_token_logits_buffer = logits_buffer
 
 
-def block_forward_batch(m: StepModels, b: StepBatch, input_ids: torch.Tensor, seq_lens_cpu: torch.Tensor,
+def block_forward_batch(m: StepModels, b: StepBatch, input_ids: torch.Tensor, positions: torch.Tensor,
+                        loc: torch.Tensor, width: int, seq_lens_cpu: torch.Tensor,
                         capture: CaptureHiddenMode) -> ForwardBatch:
-    """A TARGET_VERIFY ForwardBatch over one block per request of ``b`` (``input_ids`` ``[bs * B]``)."""
-    bs, B = b.bs, m.block_size
+    """A TARGET_VERIFY ForwardBatch over ``width`` tokens per request of ``b`` (``input_ids`` / ``positions`` /
+    ``loc`` ``[bs * width]``)."""
+    bs, B = b.bs, width
     seq_lens_cpu = seq_lens_cpu.to(torch.int64)
-    spec_info = DFlashBlockInput(draft_token=input_ids, positions=b.positions, draft_token_num=B,
+    spec_info = DFlashBlockInput(draft_token=input_ids, positions=positions, draft_token_num=B,
                                  capture_hidden_mode=capture)
     fb = ForwardBatch(
         forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=input_ids,
         req_pool_indices=b.req_pool_indices, seq_lens=b.seq_lens if m.paged_verify else b.seq_lens + B,
-        out_cache_loc=b.loc, seq_lens_sum=int(seq_lens_cpu.sum()) + bs * B, seq_lens_cpu=seq_lens_cpu + B,
-        positions=b.positions, spec_algorithm=SpeculativeAlgorithm.DFLASH, spec_info=spec_info,
+        out_cache_loc=loc, seq_lens_sum=int(seq_lens_cpu.sum()) + bs * B, seq_lens_cpu=seq_lens_cpu + B,
+        positions=positions, spec_algorithm=SpeculativeAlgorithm.DFLASH, spec_info=spec_info,
         capture_hidden_mode=capture,
     )
     if not m.paged_verify:
@@ -132,37 +147,55 @@ class HostPlan:
     """Plans both forwards' attention on the host with each backend's ``init_forward_metadata``."""
 
     def __call__(self, m: StepModels, b: StepBatch) -> None:
-        m.draft_backend.init_forward_metadata(b.draft_fb)
+        if b.draft_fb is not None:
+            m.draft_backend.init_forward_metadata(b.draft_fb)
         m.target_backend.init_forward_metadata(b.target_fb)
 
 
-def propose(m: StepModels, hidden: torch.Tensor, input_ids: torch.Tensor, bs: int) -> torch.Tensor:
-    """Draft hidden states [bs * B, H] and block input_ids [bs * B] -> draft_tokens [bs, B]: column 0 = the
-    bonus token, 1.. = argmax of the draft's logits (the target's lm_head, then ``m.draft_logits``; over every
-    rank's vocabulary shard under tensor parallelism, `tp.vocab_argmax`)."""
+def propose(m: StepModels, hidden: torch.Tensor, input_ids: torch.Tensor, bs: int, width: int | None = None
+            ) -> torch.Tensor:
+    """Draft hidden states [bs * B, H] and block input_ids [bs * B] -> draft_tokens [bs, w] (w = ``width``,
+    default B): column 0 = the bonus token, 1.. = argmax of the draft's logits at block positions 1..w-1 (the
+    target's lm_head, then ``m.draft_logits``; over every rank's vocabulary shard under tensor parallelism,
+    `tp.vocab_argmax`). Only the verified positions are scored."""
     B = m.block_size
-    scores = m.draft_logits(torch.matmul(hidden.view(bs, B, -1)[:, 1:], m.lm_head_weight.t()))
+    w = B if width is None else width
+    scores = m.draft_logits(torch.matmul(hidden.view(bs, B, -1)[:, 1:w], m.lm_head_weight.t()))
     drafts = scores.argmax(dim=-1) if m.vocab_group is None else vocab_argmax(scores, m.vocab_start, m.vocab_group)
     return torch.cat([input_ids.view(bs, B)[:, :1], drafts], dim=1)
 
 
 def decode_step(m: StepModels, b: StepBatch, plan: Callable[[StepModels, StepBatch], None]) -> StepResult:
-    """One DFLASH decode step of ``b`` with attention planned by ``plan`` (`HostPlan` or a device plan)."""
-    bs, B = b.bs, m.block_size
-    ids, pos, slots = build_block(b.bonus, b.seq_lens, B, m.mask_token_id, m.req_to_token, b.req_pool_indices,
-                                  out=(b.input_ids, b.positions, b.loc))
-    if b.valid is not None:
-        slots.view(bs, B).masked_fill_(~b.valid[:, None], PADDING_SLOT)
+    """One DFLASH decode step of ``b`` at its verify width with attention planned by ``plan`` (`HostPlan` or a
+    device plan)."""
+    bs, B, w = b.bs, m.block_size, b.width
+    if b.draft_fb is not None:
+        ids, pos, slots = build_block(b.bonus, b.seq_lens, B, m.mask_token_id, m.req_to_token, b.req_pool_indices,
+                                      out=(b.input_ids, b.positions, b.loc))
+        if b.valid is not None:
+            slots.view(bs, B).masked_fill_(~b.valid[:, None], PADDING_SLOT)
+        if w < B:
+            b.verify_positions.view(bs, w).copy_(pos.view(bs, B)[:, :w])
+            b.verify_loc.view(bs, w).copy_(slots.view(bs, B)[:, :w])
+    else:  # plain decode: the target's one token per request
+        build_block(b.bonus, b.seq_lens, 1, m.mask_token_id, m.req_to_token, b.req_pool_indices,
+                    out=(b.verify_ids, b.verify_positions, b.verify_loc))
+        if b.valid is not None:
+            b.verify_loc.masked_fill_(~b.valid, PADDING_SLOT)
     plan(m, b)
-    set_dp_buffer_len(None, bs * B, False, None)
     set_is_extend_in_batch(False)
-    with forward_context(ForwardContext(attn_backend=m.draft_backend)):
-        hidden = m.draft_model(ids, pos, b.draft_fb, input_embeds=m.embed(ids)).hidden_states
-    draft_tokens = propose(m, hidden, ids, bs)
-    b.verify_ids.copy_(draft_tokens.view(-1))
+    if b.draft_fb is not None:
+        set_dp_buffer_len(None, bs * B, False, None)
+        with forward_context(ForwardContext(attn_backend=m.draft_backend)):
+            hidden = m.draft_model(ids, pos, b.draft_fb, input_embeds=m.embed(ids)).hidden_states
+        draft_tokens = propose(m, hidden, ids, bs, w)
+        b.verify_ids.copy_(draft_tokens.view(-1))
+    else:
+        draft_tokens = b.verify_ids.view(bs, 1)
+    set_dp_buffer_len(None, bs * w, False, None)
     with forward_context(ForwardContext(attn_backend=m.target_backend)):
-        out = m.target_model(b.verify_ids, pos, b.target_fb)
-    m.commit_kv(out.hidden_states, pos, slots)
+        out = m.target_model(b.verify_ids, b.verify_positions, b.target_fb)
+    m.commit_kv(out.hidden_states, b.verify_positions, b.verify_loc)
     logits = out.next_token_logits
     accept = greedy_accept(draft_tokens, logits, b.seq_lens, out=b.accept_out)
     return StepResult(draft_tokens, logits, *accept)

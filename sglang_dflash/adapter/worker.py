@@ -34,9 +34,11 @@ from sglang_dflash.adapter.sampling import BlockSampler, plain_greedy
 from sglang_dflash.adapter.spec_inputs import DFlashDraftState
 from sglang_dflash.adapter.step import HostPlan, StepBatch, StepModels, decode_step
 from sglang_dflash.adapter.step_graphs import StepGraphs
+from sglang_dflash.adapter.widths import StepWidths
 from sglang_dflash.adapter.tp import agree_on_accept, lm_head_shard, tp_group
 from sglang_dflash.config import DFlashDraftConfig
 from sglang_dflash.model import draft_logits
+from sglang_dflash.policy import AdaptiveConfig
 
 logger = logging.getLogger(__name__)
 
@@ -87,13 +89,16 @@ class DFlashWorker(BaseSpecWorker):
                         "trims each request's keys to its window plus the block: at contexts longer than the window "
                         "a block query may see up to block_size keys past z-lab's window (torch_native: exact)")
         self.sampler = BlockSampler(self.device)
+        adaptive = AdaptiveConfig.parse(server_args.speculative_adaptive_config, self.block_size)
+        self.widths = StepWidths(adaptive, self.block_size, self.device, self.tp_group)
         self.step_graphs: StepGraphs | None = None  # the whole step as CUDA graphs (init_cuda_graphs, FlashInfer)
         self._models: StepModels | None = None
         self.state_commit: hybrid.StateCommit | None = None  # hybrid targets (init_attention_backends)
         logger.info(
             "DFLASH served by sglang-dflash (block_size=%d, target_layer_ids=%s, mask_token_id=%d, "
-            "attention_backend=%s)",
+            "attention_backend=%s, verify widths=%s%s)",
             self.block_size, list(self.dcfg.target_layer_ids), self.mask_token_id, self.backend,
+            list(self.widths.policy.widths), " adaptive" if adaptive.adaptive and len(adaptive.widths) > 1 else "",
         )
         profiling.instrument(self)
 
@@ -209,13 +214,17 @@ class DFlashWorker(BaseSpecWorker):
         """One DFLASH decode step of ``batch`` (`step.decode_step`: graph replay or eager) and its accept."""
         state: DFlashDraftState = batch.spec_info
         seq_lens, rows = batch.seq_lens.to(torch.int64), batch.req_pool_indices.to(torch.int64)
-        graphed = self.step_graphs is not None and self.step_graphs.padded_size(batch.batch_size()) is not None
+        bs = batch.batch_size()
+        width, timing = self.widths.choose(bs)
+        graphed = (width == self.block_size and self.step_graphs is not None
+                   and self.step_graphs.padded_size(bs) is not None)
         if graphed:
             res = self.step_graphs.replay(state.bonus_tokens, seq_lens, rows)
         else:  # host plan: the lengths on the host (copied here when SGLang did not mirror them)
             if batch.seq_lens_cpu is None:
                 batch.seq_lens_cpu = batch.seq_lens.cpu()
-            b = StepBatch(self.models, state.bonus_tokens, seq_lens, rows, seq_lens_cpu=batch.seq_lens_cpu)
+            b = StepBatch(self.models, state.bonus_tokens, seq_lens, rows, seq_lens_cpu=batch.seq_lens_cpu,
+                          width=width)
             res = decode_step(self.models, b, HostPlan())
         logits_output = LogitsProcessorOutput(next_token_logits=res.logits)
         if plain_greedy(batch):
@@ -229,13 +238,14 @@ class DFlashWorker(BaseSpecWorker):
             self.state_commit(accept_lens)
         if batch.return_logprob:
             self.sampler.attach_logprobs(batch, logits_output, committed)
+        self.widths.finish(timing, bs, width, accept_lens)
         return GenerationBatchResult(
             logits_output=logits_output,
             next_token_ids=committed.reshape(-1),
             accept_lens=(accept_lens + 1).to(torch.int32),
             can_run_cuda_graph=graphed,
             next_draft_input=DFlashDraftState(bonus_tokens=bonus, block_size=self.block_size),
-            speculative_num_draft_tokens=self.block_size,
+            speculative_num_draft_tokens=width,  # the stride of next_token_ids / logprobs per request
             new_seq_lens=new_seq_lens,
         )
 

@@ -16,8 +16,13 @@ is the plugin's own set-up (``sglang_dflash.adapter.cpu_platform``), not this fi
    host (``decide_needs_cpu_seq_lens`` returns False), as for a GPU server whose decode step is one CUDA graph
    planned on the device (`DFlashWorker.spec_v2_attn_backends`); the CPU step then reads them itself, as a GPU batch
    larger than every capture does. The scheduler logs ``TEST: no host mirror of committed lengths`` once.
+
+5. ``SGLANG_DFLASH_TEST_WIDTHS=16,1,3``: sglang-dflash's verify width cycles through these widths, one per decode
+   step, whatever the policy would choose (the server must run adaptive, i.e. more than one candidate width); the
+   scheduler logs ``TEST: verify widths cycle [...]`` once.
 """
 
+import itertools
 import os
 import sys
 
@@ -81,5 +86,17 @@ def _patch_server_args(module) -> None:
 
 if os.environ.get("SGLANG_DFLASH_TEST_CPU_OVERLAP") == "1":
     sys.meta_path.insert(0, _PatchAfterImport("sglang_dflash.adapter.server_args", _patch_server_args))
+
+
+# 5. verify widths forced to cycle (see the module docstring)
+def _patch_policy(module) -> None:
+    cycle = [int(w) for w in os.environ["SGLANG_DFLASH_TEST_WIDTHS"].split(",")]
+    widths = itertools.cycle(cycle)
+    print(f"TEST: verify widths cycle {cycle}", file=sys.stderr, flush=True)
+    module.WidthPolicy.choose = lambda self, bs: next(widths)
+
+
+if os.environ.get("SGLANG_DFLASH_TEST_WIDTHS"):
+    sys.meta_path.insert(0, _PatchAfterImport("sglang_dflash.policy", _patch_policy))
 if os.environ.get("SGLANG_DFLASH_TEST_NO_HOST_LENGTHS") == "1":
     sys.meta_path.insert(0, _PatchAfterImport("sglang.srt.managers.overlap_utils", _patch_overlap_utils))

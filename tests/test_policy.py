@@ -1,0 +1,140 @@
+"""The adaptive verify width (`sglang_dflash.policy`): its settings, its acceptance estimate and its choices on
+simulated steps whose cost and acceptance are known, so the best width is known exactly."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from sglang_dflash.policy import AdaptiveConfig, PolicyConfigError, WidthPolicy, bucket
+
+
+def test_config_defaults_and_pins(tmp_path):
+    assert AdaptiveConfig.parse(None, 16).widths == (1, 2, 4, 8, 16)
+    assert AdaptiveConfig.parse(None, 6).widths == (1, 2, 4, 6)
+    assert AdaptiveConfig.parse('{"adaptive": false}', 16).widths == (16,)
+    assert AdaptiveConfig.parse('{"widths": [8, 4, 8]}', 16).widths == (4, 8)
+    path = tmp_path / "adaptive.json"
+    path.write_text(json.dumps({"widths": [1, 16], "max_batch_size": 32}))
+    cfg = AdaptiveConfig.parse(str(path), 16)
+    assert (cfg.widths, cfg.max_batch_size) == ((1, 16), 32)
+
+
+@pytest.mark.parametrize("value, match", [
+    ('{"widths": [0, 4]}', r"widths must be a non-empty list of integers in \[1, 16\]"),
+    ('{"widths": [32]}', r"in \[1, 16\] \(the block size\), got \[32\]"),
+    ('{"widths": []}', "non-empty list"),
+    ('{"adaptive": "yes"}', "adaptive must be true or false"),
+    ('{"max_batch_size": -1}', "max_batch_size must be a non-negative integer"),
+    ('{"candidate_steps": [1, 3]}', r"unknown keys \['candidate_steps'\] for DFLASH"),
+    ('[1, 2]', "must be a JSON object"),
+    ('{"widths": [1,', "not valid JSON"),
+    ("/no/such/file.json", "neither a JSON object nor a file"),
+])
+def test_config_errors_name_the_fix(value, match):
+    with pytest.raises(PolicyConfigError, match=match):
+        AdaptiveConfig.parse(value, 16)
+
+
+def test_buckets():
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 64, 65)] == [1, 2, 4, 4, 8, 8, 16, 64, 128]
+
+
+def test_survival_counts_only_rows_that_verified_the_position():
+    p = WidthPolicy(8, (1, 4, 8), decay=1.0, prior=0.5)
+    p.observe(2, 4, [3, 0], 0.01)  # width 4 verifies positions 1..3
+    p.observe(2, 8, [7, 5], 0.01)
+    s = p.survival()
+    # position 1: rows with L>=1 are 3,7,5 of 4 rows; position 4..7 seen only by the width-8 step
+    assert s[:4] == [1.0, 0.75, 0.75, 0.75]
+    assert s[4:6] == [0.75, 0.75]  # 2/2 = 1.0, capped by S_3
+    assert s[6] == pytest.approx(0.5) and s[7] == pytest.approx(0.5)  # only the L=7 row reaches 6 and 7
+    assert p.expected_tokens(4) == pytest.approx(3.25)
+
+
+def test_unseen_positions_take_the_prior_below_the_last_estimate():
+    p = WidthPolicy(8, (1, 2, 8), prior=0.5)
+    p.observe(1, 2, [1], 0.01)
+    assert p.survival()[:4] == [1.0, 1.0, 0.5, 0.25]
+
+
+def simulate(policy: WidthPolicy, bs: int, step_time, accept_prob: float, steps: int, seed: int = 0) -> dict:
+    """Run ``steps`` steps: accept lengths with i.i.d. per-position acceptance, durations from ``step_time(w)``;
+    -> committed tokens, seconds and steps per width."""
+    rng = random.Random(seed)
+    tokens = seconds = 0.0
+    used: dict = {}
+    for _ in range(steps):
+        w = policy.choose(bs)
+        lens = []
+        for _ in range(bs):
+            n = 0
+            while n < w - 1 and rng.random() < accept_prob:
+                n += 1
+            lens.append(n)
+        t = step_time(w)
+        policy.observe(bs, w, lens, t)
+        tokens += sum(lens) + bs
+        seconds += t
+        used[w] = used.get(w, 0) + 1
+    return {"tok_per_s": tokens / seconds, "used": used}
+
+
+def best_fixed(bs: int, step_time, accept_prob: float, widths) -> tuple[int, float]:
+    """The width with the most expected tokens per second, computed exactly."""
+    def rate(w):
+        return bs * sum(accept_prob ** k for k in range(w)) / step_time(w)
+    w = max(widths, key=rate)
+    return w, rate(w)
+
+
+# (name, step time per width, acceptance per position): the regimes of the issue
+REGIMES = {
+    "nothing accepted, verify costs": (lambda w: 1.0 + 0.2 * (w > 1) + 0.05 * w, 0.0),
+    "everything accepted, flat cost": (lambda w: 1.0 + 0.01 * w, 1.0),
+    "high acceptance, compute-bound verify": (lambda w: 1.0 + 0.3 * w, 0.9),
+    "medium acceptance, cheap verify": (lambda w: 1.0 + 0.02 * w, 0.7),
+}
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+def test_policy_reaches_the_best_width(regime):
+    """Over 2000 steps the adaptive rate is within 5% of the best fixed width's exact rate (exploration included),
+    and the best width is the one used most."""
+    step_time, prob = REGIMES[regime]
+    widths = (1, 2, 4, 8, 16)
+    p = WidthPolicy(16, widths)
+    got = simulate(p, 4, step_time, prob, 2000)
+    best_w, best_rate = best_fixed(4, step_time, prob, widths)
+    assert got["tok_per_s"] >= 0.95 * best_rate, (got, best_w, best_rate)
+    assert max(got["used"], key=got["used"].get) == best_w, got["used"]
+
+
+def test_policy_follows_a_change_of_acceptance():
+    """Acceptance collapses after 300 steps: the policy moves from the whole block to plain decode steps."""
+    step_time = lambda w: 1.0 + 0.2 * (w > 1) + 0.05 * w  # noqa: E731
+    p = WidthPolicy(16, (1, 2, 4, 8, 16))
+    first = simulate(p, 2, step_time, 0.95, 300, seed=1)
+    assert max(first["used"], key=first["used"].get) == 16
+    later = simulate(p, 2, step_time, 0.0, 300, seed=2)
+    assert later["used"].get(1, 0) >= 250, later["used"]
+
+
+def test_batch_ceiling_and_pinned_width():
+    p = WidthPolicy(16, (1, 4, 16), max_batch_size=8)
+    assert {p.choose(9) for _ in range(20)} == {1}
+    assert WidthPolicy(16, (16,)).choose(64) == 16
+    assert WidthPolicy(16, (16,), max_batch_size=32).choose(33) == 1
+
+
+def test_every_width_is_measured_per_bucket_before_choosing():
+    p = WidthPolicy(16, (1, 4, 16))
+    first = []
+    for _ in range(3):
+        w = p.choose(3)
+        first.append(w)
+        p.observe(3, w, [0, 0, 0], 1.0)
+    assert sorted(first) == [1, 4, 16]
+    assert p.choose(20) == 16  # a new bucket starts measuring again
