@@ -69,6 +69,10 @@ def test_prefill_decode_verify_match_transformers(T):
     y2 = L.conv_update(d["x"][None], conv2, d["w"], d["bias"], True, torch.tensor([0]), windows=windows,
                        window_rows=torch.tensor([2]))
     torch.testing.assert_close(y2[0], y, rtol=0, atol=1e-6)
+    packed = d["x"].T.contiguous()  # SGLang's verify passes [bs, dim, T] as a transposed view and views it back
+    y3 = L.conv_update(packed.view(1, T, DIM).transpose(1, 2), torch.zeros(2, DIM, W - 1), d["w"], d["bias"], True,
+                       torch.tensor([0]), windows=torch.zeros(1, T, DIM, W - 1), window_rows=torch.tensor([0]))
+    torch.testing.assert_close(y3.transpose(1, 2).view(T, DIM), y.T, rtol=0, atol=1e-6)
     assert torch.equal(windows[2, -1], conv[1]) and torch.equal(conv2[0], conv[1])
 
 

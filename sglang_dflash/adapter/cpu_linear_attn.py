@@ -115,13 +115,13 @@ def conv_update(x, conv_state, weight, bias, silu: bool, state_indices, pad_slot
     """Causal depthwise conv over new tokens: x ``[bs, dim]`` or ``[bs, dim, L]``, sequence i continuing from
     ``conv_state[state_indices[i]]`` (``[dim, W - 1]``, rolled forward over all L tokens; rows at ``pad_slot_id``
     are skipped). ``windows`` ``[rows, steps, dim, W - 1]``: the conv state after every token of sequence i goes to
-    ``windows[window_rows[i], t]``. Returns x's shape and dtype."""
+    ``windows[window_rows[i], t]``. Returns x's shape, strides and dtype."""
     squeeze = x.dim() == 2
     xs = x.unsqueeze(-1) if squeeze else x
     bs, dim, L = xs.shape
     slots = (state_indices if state_indices is not None else torch.arange(bs)).long()
     live = slots != pad_slot_id
-    out = torch.zeros(bs, dim, L, dtype=torch.float32)
+    out = torch.zeros_like(xs, dtype=torch.float32)  # x's strides, as SGLang's kernel (callers view its transpose)
     state = conv_state[slots[live]].float()
     rows = window_rows.long()[live] if windows is not None else None
     xl = xs[live].float()
