@@ -17,12 +17,24 @@ is the plugin's own set-up (``sglang_dflash.adapter.cpu_platform``), not this fi
    planned on the device (`DFlashWorker.spec_v2_attn_backends`); the CPU step then reads them itself, as a GPU batch
    larger than every capture does. The scheduler logs ``TEST: no host mirror of committed lengths`` once.
 
+3. ``SGLANG_DFLASH_TEST_ORACLE_DRAFT=<file>``: a draft that knows the target's greedy continuations, to force every
+   accept length. The file holds token sequences (prompt + the target's greedy output, e.g. from a no-spec server).
+   Each DFLASH step, every request's drafts are replaced: a request whose bonus token sits at a position where the
+   sequences continue (alike) gets ``n`` correct drafts followed by a wrong one, ``n`` cycling 0, 1, .., B-1 over
+   the requests of successive steps (B: the verify width; SGLang's ``spec_correct_drafts_histogram`` shows the accept lengths); other
+   requests keep the real draft's proposal. Logged once as ``TEST: oracle draft``.
+
+4. ``SGLANG_DFLASH_TEST_BROKEN_STATE_COMMIT=1``: the control of a hybrid target's state commit: every request's
+   linear-attention state is committed after the whole verify block instead of after its accepted tokens
+   (``sglang_dflash.adapter.hybrid.commit_verified_states``). Logged once as ``TEST: broken state commit``.
+
 5. ``SGLANG_DFLASH_TEST_WIDTHS=16,1,3``: sglang-dflash's verify width cycles through these widths, one per decode
    step, whatever the policy would choose (the server must run adaptive, i.e. more than one candidate width); the
    scheduler logs ``TEST: verify widths cycle [...]`` once.
 """
 
 import itertools
+import json
 import os
 import sys
 
@@ -100,3 +112,57 @@ if os.environ.get("SGLANG_DFLASH_TEST_WIDTHS"):
     sys.meta_path.insert(0, _PatchAfterImport("sglang_dflash.policy", _patch_policy))
 if os.environ.get("SGLANG_DFLASH_TEST_NO_HOST_LENGTHS") == "1":
     sys.meta_path.insert(0, _PatchAfterImport("sglang.srt.managers.overlap_utils", _patch_overlap_utils))
+
+
+# 3. the oracle draft (see the module docstring)
+def _patch_step_oracle(module) -> None:
+    index: dict[tuple[int, int], list[list[int]]] = {}
+    for seq in json.loads(open(os.environ["SGLANG_DFLASH_TEST_ORACLE_DRAFT"]).read()):
+        for pos, tok in enumerate(seq):
+            index.setdefault((pos, tok), []).append(seq[pos + 1:])
+    wanted = itertools.count()
+    seen = {}
+    build_block, propose = module.build_block, module.propose
+
+    def recording_build_block(bonus, seq_lens, *args, **kwargs):
+        seen["seq_lens"] = seq_lens
+        return build_block(bonus, seq_lens, *args, **kwargs)
+
+    def oracle_propose(m, hidden, input_ids, bs, *args, **kwargs):
+        drafts = propose(m, hidden, input_ids, bs, *args, **kwargs)  # [bs, w]: the bonus, w - 1 drafts
+        B, vocab = drafts.shape[1], m.lm_head_weight.shape[0]
+        for i, (pos, bonus) in enumerate(zip(seen["seq_lens"].tolist(), drafts[:, 0].tolist())):
+            conts = index.get((pos, bonus))
+            if not conts:
+                continue
+            agreed = []  # the continuation all sequences through (pos, bonus) share
+            for toks in zip(*conts):
+                if len(set(toks)) > 1:
+                    break
+                agreed.append(toks[0])
+            n = next(wanted) % B
+            for j in range(min(n, len(agreed), B - 1)):
+                drafts[i, 1 + j] = agreed[j]
+            if n < min(len(agreed), B - 1):
+                drafts[i, 1 + n] = (agreed[n] + 1) % vocab
+        return drafts
+
+    module.build_block, module.propose = recording_build_block, oracle_propose
+    print("TEST: oracle draft", file=sys.stderr, flush=True)
+
+
+# 4. the broken state commit (see the module docstring)
+def _patch_hybrid(module) -> None:
+    commit = module.commit_verified_states
+
+    def commit_whole_block(caches, state_indices, steps):
+        return commit(caches, state_indices, torch.full_like(steps, caches.intermediate_ssm.shape[2] - 1))
+
+    module.commit_verified_states = commit_whole_block
+    print("TEST: broken state commit", file=sys.stderr, flush=True)
+
+
+if os.environ.get("SGLANG_DFLASH_TEST_ORACLE_DRAFT"):
+    sys.meta_path.insert(0, _PatchAfterImport("sglang_dflash.adapter.step", _patch_step_oracle))
+if os.environ.get("SGLANG_DFLASH_TEST_BROKEN_STATE_COMMIT") == "1":
+    sys.meta_path.insert(0, _PatchAfterImport("sglang_dflash.adapter.hybrid", _patch_hybrid))
