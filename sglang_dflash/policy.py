@@ -11,10 +11,10 @@ maximizes expected committed tokens per second of step time:
 
 ``S_k`` is estimated from the accept lengths of recent steps (counts over the rows that verified position k,
 decayed only when a step verifies it again, so a narrow phase keeps what wider steps saw; a position no step
-verified yet takes the prior, capped by ``S_{k-1}``), ``t(bs, w)``
-from measured step times per (batch-size bucket, width). A width not yet measured for a bucket is tried once, and
-every ``explore_every`` steps of a bucket the width measured longest ago is tried again, so a change in either
-the acceptance or the cost is seen. Above ``max_batch_size`` requests every step is a plain decode step.
+verified yet takes the prior, capped by ``S_{k-1}``), ``t(bs, w)`` from measured step times per (batch-size
+bucket, width). A new bucket starts from the nearest measured bucket's times; a width measured in neither is tried
+once; every ``explore_every`` steps of a bucket the width measured longest ago is tried again, so a change in
+either the acceptance or the cost is seen. Above ``max_batch_size`` requests every step is a plain decode step.
 Plain Python (no tensors): the caller hands in accept lengths and seconds it already has on the host.
 """
 
@@ -140,6 +140,8 @@ class WidthPolicy:
             return self.widths[0]
         b = bucket(bs)
         n = self.steps[b] = self.steps.get(b, 0) + 1
+        if n == 1:
+            self._borrow_costs(b)
         unmeasured = [w for w in self.widths if (b, w) not in self.costs]
         if unmeasured:
             return unmeasured[-1]
@@ -147,6 +149,17 @@ class WidthPolicy:
             return min(self.widths, key=lambda w: self.costs[(b, w)].last_step)
         s = self.survival()
         return max(self.widths, key=lambda w: sum(s[:w]) / self.costs[(b, w)].seconds)
+
+    def _borrow_costs(self, b: int) -> None:
+        """A new bucket starts from the nearest measured bucket's step times (marked measured longest ago, so the
+        periodic exploration replaces them first) instead of trying every width again."""
+        known = {k for k, _ in self.costs}
+        if not known:
+            return
+        near = min(known, key=lambda k: abs(k.bit_length() - b.bit_length()))
+        for w in self.widths:
+            if (near, w) in self.costs:
+                self.costs[(b, w)] = _Cost(self.costs[(near, w)].seconds, -1)
 
     def observe(self, bs: int, width: int, accept_lens: list[int], seconds: float) -> None:
         """A finished step: its width, the accepted draft count of each of its ``bs`` rows, its duration."""

@@ -129,12 +129,17 @@ def test_batch_ceiling_and_pinned_width():
     assert WidthPolicy(16, (16,), max_batch_size=32).choose(33) == 1
 
 
-def test_every_width_is_measured_per_bucket_before_choosing():
-    p = WidthPolicy(16, (1, 4, 16))
+def test_every_width_is_measured_once_and_new_buckets_borrow_times():
+    """The first bucket tries each width once; a new bucket starts from the nearest bucket's times (no second round
+    of trials) and re-measures them first when exploring."""
+    p = WidthPolicy(16, (1, 4, 16), explore_every=4)
     first = []
     for _ in range(3):
         w = p.choose(3)
         first.append(w)
-        p.observe(3, w, [0, 0, 0], 1.0)
+        p.observe(3, w, [0, 0, 0], {1: 1.0, 4: 1.5, 16: 3.0}[w])
     assert sorted(first) == [1, 4, 16]
-    assert p.choose(20) == 16  # a new bucket starts measuring again
+    for _ in range(3):  # nothing accepted: plain decode, from borrowed times
+        assert p.choose(20) == 1
+        p.observe(20, 1, [0] * 20, 1.0)
+    assert p.choose(20) in (4, 16)  # the 4th step of the bucket re-measures a borrowed width
