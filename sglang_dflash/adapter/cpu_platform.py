@@ -31,6 +31,12 @@ on a CPU-only host (no CUDA / ROCm / XPU / MPS device, no NPU / HPU / MUSA runti
    groups (:func:`cpu_binding`). ``TORCH_COMPILE_DISABLE=1`` (unless set, or ``--enable-torch-compile``): the
    vocab-parallel embedding's masking is a ``torch.compile`` function, compiled to C++ on the first request
    (~40 s on 2 cores).
+7. **Linear-attention conv state** (hybrid models: Qwen3.5 / Qwen3-Next Gated DeltaNet, Mamba). SGLang keeps the
+   causal conv's state -- the last ``W - 1`` conv inputs of a request, saved by a prefill and read by the next decode
+   or verify step -- in ``SGLANG_MAMBA_CONV_DTYPE``, bfloat16 unless set, whatever ``--dtype``. For a model served
+   in float32 that rounds the inputs a continuation reads, so its next tokens part from a prefill of the same text
+   (benchmarks/HYBRID.md). With ``--dtype float32`` and the variable unset it becomes ``float32`` (logged), in the
+   launcher's environment, which the scheduler processes inherit.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ SHIM_DIR = Path(__file__).resolve().parent / "cpu_shim"
 KV_RAM_SHARE = 8
 # Attention backends that run on CPU (intel_amx only with sgl-kernel's CPU build).
 CPU_BACKENDS = ("torch_native", "intel_amx")
+CONV_DTYPE_ENV = "SGLANG_MAMBA_CONV_DTYPE"  # SGLang's dtype of the linear-attention conv state (default bfloat16)
 # Runtimes of accelerators SGLang serves through their own platform code; their presence leaves the host alone.
 _ACCELERATOR_RUNTIMES = ("torch_npu", "habana_frameworks", "torchada")
 
@@ -71,7 +78,7 @@ def cpu_serving() -> bool:
 
 def setup() -> bool:
     """Prepare this process for CPU serving (1 and 2 of the module docstring) where :func:`cpu_serving`, before
-    anything imports sgl_kernel; returns whether it did. The hooks (3-5) follow with :func:`register_hooks`."""
+    anything imports sgl_kernel; returns whether it did. The hooks (3-7) follow with :func:`register_hooks`."""
     if not cpu_serving():
         return False
     _select_cpu_engine()
@@ -170,7 +177,7 @@ def register_sgl_kernel_cpu_ops() -> None:
 
 
 def register_hooks() -> None:
-    """Hooks 3-5 of the module docstring (:data:`HOOKS`)."""
+    """Hooks 3-7 of the module docstring (:data:`HOOKS`)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     for target, (hook, _params) in HOOKS.items():
@@ -186,6 +193,7 @@ def _cpu_attention_backend(original, server_args) -> None:
     if server_args.device != "cpu":
         return
     _cpu_tensor_parallel(server_args)
+    conv_state_dtype(server_args)
     if chosen is not None:
         check_cpu_attention_backend(chosen)
         return
@@ -223,6 +231,16 @@ def _cpu_tensor_parallel(server_args) -> None:
         chosen.append("TORCH_COMPILE_DISABLE=1 (no C++ compile of the vocab-parallel embedding at the first request)")
     logger.info("sglang-dflash: CPU tensor parallelism over %d ranks on gloo%s%s", tp, "; " if chosen else "",
                 "; ".join(chosen))
+
+
+def conv_state_dtype(server_args) -> None:
+    """7 of the module docstring, in the launcher: ``SGLANG_MAMBA_CONV_DTYPE=float32`` for a server in float32
+    unless the variable is set."""
+    if server_args.dtype not in ("float32", "float") or CONV_DTYPE_ENV in os.environ:
+        return
+    os.environ[CONV_DTYPE_ENV] = "float32"
+    logger.info("sglang-dflash: --dtype float32 on CPU: %s=float32 (the conv state of linear-attention layers, "
+                "bfloat16 by default in SGLang, holds float32 inputs)", CONV_DTYPE_ENV)
 
 
 def cpu_binding(cpus: list[int], ranks: int) -> str:
