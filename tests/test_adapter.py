@@ -106,9 +106,32 @@ def _args(draft, **overrides):
                 dp_size=1, enable_dp_attention=False, disaggregation_mode="null", page_size=1,
                 speculative_draft_window_size=None, attention_backend=None, speculative_eagle_topk=None,
                 speculative_num_steps=None, speculative_dflash_block_size=None, speculative_num_draft_tokens=None,
-                disable_overlap_schedule=False, enable_lora=None, lora_paths=None, device=None)
+                disable_overlap_schedule=False, enable_lora=None, lora_paths=None, device=None,
+                speculative_adaptive=False, speculative_adaptive_config=None)
     args.update(overrides)
     return SimpleNamespace(**args)
+
+
+@pytest.mark.parametrize("config, match", [
+    ('{"widths": [0, 4]}', r"^sglang-dflash: --speculative-adaptive-config: widths must be a non-empty list of "
+                           r"integers in \[1, 8\] \(the block size\)"),
+    ('{"candidate_steps": [1]}', r"unknown keys \['candidate_steps'\] for DFLASH"),
+])
+def test_bad_adaptive_config_is_refused_at_startup(draft_dir, config, match):
+    """A --speculative-adaptive-config DFLASH cannot use stops the launcher with a one-line message."""
+    from sglang_dflash.adapter.server_args import resolve_server_args
+
+    with pytest.raises(ValueError, match=match):
+        resolve_server_args(_args(draft_dir, speculative_adaptive_config=config))
+
+
+def test_speculative_adaptive_flag_is_taken_off(draft_dir):
+    """SGLang's --speculative-adaptive (EAGLE's switch) is cleared: DFLASH adapts through its own policy."""
+    from sglang_dflash.adapter.server_args import resolve_server_args
+
+    args = _args(draft_dir, speculative_adaptive=True)
+    resolve_server_args(args)
+    assert args.speculative_adaptive is False
 
 
 def test_server_args_resolved_from_the_draft(draft_dir):
