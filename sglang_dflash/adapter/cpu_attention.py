@@ -2,10 +2,11 @@
 
 SGLang's `TorchNativeAttnBackend` runs an extend of ``n`` new tokens over a ``seq_len``-token request as a
 ``seq_len``-query attention (the earlier rows are padding), so a 16-token verify at a long context costs a
-prefill, and it windows only causal layers. `DFlashCPUAttnBackend` computes the ``n`` new queries alone, with
-the visibility rule of `sglang_dflash.model.attention_mask` (causal for DECODER layers, the layer's window
-for sliding layers: z-lab's draft semantics, and a causal window for targets). Decode, cross attention and
-encoder batches go to the base class unchanged. It is installed on the DFLASH worker's target and draft runners
+prefill, and it windows only causal layers. `DFlashCPUAttnBackend` computes a verify block's ``n`` new queries
+alone, with the visibility rule of `sglang_dflash.model.attention_mask` (causal for DECODER layers, the layer's
+window for sliding layers: z-lab's draft semantics, and a causal window for targets). Prefill chunks of causal
+layers (SGLang's fused causal kernel is faster there than masked rows), decode, cross attention and encoder
+batches go to the base class unchanged. It is installed on the DFLASH worker's target and draft runners
 only (`install`); a no-spec server keeps SGLang's backend.
 """
 
@@ -32,6 +33,9 @@ class DFlashCPUAttnBackend(TorchNativeAttnBackend):
         ``out_cache_loc`` first. Request i's queries sit at positions ``extend_prefix_lens[i] + arange(n_i)`` and
         see its keys ``0 .. seq_lens[i] - 1`` as `attention_mask` allows."""
         if layer.is_cross_attention or forward_batch.encoder_lens is not None or layer.qk_head_dim != layer.v_head_dim:
+            return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        if not forward_batch.forward_mode.is_target_verify() and layer.attn_type != AttentionType.ENCODER_ONLY:
+            # a prefill chunk of a causal layer: SGLang's own causal kernel is faster than masked rows here
             return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
         if save_kv_cache and k is not None and v is not None:
             self.token_to_kv_pool.set_kv_buffer(
