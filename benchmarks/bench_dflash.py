@@ -21,6 +21,9 @@ Writes `<out>/results.json` (every pass and the medians), `<out>/throughput.png`
 table last.
 
     python benchmarks/bench_dflash.py --target T --draft D --out results/
+
+At a realistic size: `benchmarks/random_checkpoints.py --shape qwen3-8b --out M` builds a random Qwen3-8B-shaped
+target and a 5-layer z-lab-format draft on the GPU machine; pass M/target and M/draft.
 """
 
 from __future__ import annotations

@@ -195,3 +195,25 @@ def test_kernel_trace_summary_per_decode_step():
         "void flashinfer::BatchDecodeWithPagedKVCacheKernel<(flashinfer::PosEncodingMode)0, 2u, 1u,")] == [
         "norm", "attention", "attention"]
     assert bench.summarize_trace([], steps=2) == {"error": "no GPU events in the trace"}
+
+
+def test_random_checkpoints_load_as_target_and_draft(tmp_path):
+    """The realistic-size builder's output (here its tiny shape) loads: a Qwen3 target SGLang's class reads and a
+    z-lab-format draft of 5 layers on 5 distinct target layers below the last."""
+    from transformers import AutoConfig
+
+    from sglang_dflash.model import load_draft
+
+    spec = importlib.util.spec_from_file_location(
+        "random_checkpoints", Path(__file__).resolve().parent.parent / "benchmarks" / "random_checkpoints.py")
+    rc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rc)
+    assert rc.spread_layers(36, 5) == [1, 9, 17, 25, 33]
+    target_dir, draft_dir = rc.build("tiny", tmp_path, "cpu")
+    cfg = AutoConfig.from_pretrained(target_dir)
+    draft = load_draft(draft_dir)
+    draft.cfg.validate_target(cfg)
+    ids = list(draft.cfg.target_layer_ids)
+    assert (cfg.architectures, cfg.num_hidden_layers, draft.cfg.num_hidden_layers) == (["Qwen3ForCausalLM"], 12, 5)
+    assert len(set(ids)) == 5 and max(ids) < cfg.num_hidden_layers - 1
+    assert (target_dir / "tokenizer.json").exists()
