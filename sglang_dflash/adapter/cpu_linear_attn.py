@@ -319,24 +319,12 @@ def rms_norm_gated(original, norm, x, z=None):
 
 # ------------------------------------------------------------------------------------------------ registration
 
-_LIBRARY = None  # kept alive: dropping the torch.library.Library unregisters its ops
-
-
 def register_ops() -> None:
-    """Define the :data:`OPS` that ``torch.ops.sgl_kernel`` lacks (sgl_kernel imported first: a native CPU build
-    registers its own, which win)."""
-    global _LIBRARY
-    import sgl_kernel  # noqa: F401
+    """Define the :data:`OPS` that ``torch.ops.sgl_kernel`` lacks (`cpu_platform.register_sgl_kernel_cpu_ops`: a
+    native CPU build registers its own, which win)."""
+    from sglang_dflash.adapter.cpu_platform import register_sgl_kernel_cpu_ops
 
-    missing = [name for name in OPS if not hasattr(torch.ops.sgl_kernel, name)]
-    if not missing:
-        return
-    if _LIBRARY is None:
-        _LIBRARY = torch.library.Library("sgl_kernel", "FRAGMENT")
-    for name in missing:
-        schema, fn = OPS[name]
-        _LIBRARY.define(name + schema)
-        _LIBRARY.impl(name, fn, "CPU")
+    register_sgl_kernel_cpu_ops(OPS)
 
 
 class _TorchOn:

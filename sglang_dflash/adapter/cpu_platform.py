@@ -156,19 +156,21 @@ CPU_OPS = {
 _LIBRARY = None  # kept alive: dropping the torch.library.Library unregisters its ops
 
 
-def register_sgl_kernel_cpu_ops() -> None:
-    """Register :data:`CPU_OPS` under ``torch.ops.sgl_kernel`` where sgl_kernel (loaded first) lacks them."""
+def register_sgl_kernel_cpu_ops(ops: dict | None = None) -> None:
+    """Register ``ops`` (name -> (schema, CPU function); default :data:`CPU_OPS`) under ``torch.ops.sgl_kernel``
+    where sgl_kernel (loaded first) lacks them."""
     global _LIBRARY
     import sgl_kernel  # noqa: F401  (a native build registers its own ops on import; those win)
     import torch
 
-    missing = [name for name in CPU_OPS if not hasattr(torch.ops.sgl_kernel, name)]
+    ops = CPU_OPS if ops is None else ops
+    missing = [name for name in ops if not hasattr(torch.ops.sgl_kernel, name)]
     if not missing:
         return
     if _LIBRARY is None:
         _LIBRARY = torch.library.Library("sgl_kernel", "FRAGMENT")
     for name in missing:
-        schema, fn = CPU_OPS[name]
+        schema, fn = ops[name]
         _LIBRARY.define(name + schema)
         _LIBRARY.impl(name, fn, "CPU")
 
