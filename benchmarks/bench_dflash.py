@@ -113,27 +113,39 @@ def free_port() -> int:
 
 
 class Server:
+    PORT_RETRIES = 3  # servers starting together pick their internal ports at random: one may take another's port
+
     def __init__(self, name, model, draft, impl, out: Path, extra=(), flags=SERVER_FLAGS, env=None):
         """``env``: variables set for this server's process only (on top of this process's environment)."""
         self.name, self.model, self.draft, self.impl = name, model, draft, impl
+        self.log = out / f"server_{name}.log"
+        self.args = [*flags, *extra]
+        self.env = {**os.environ, **(env or {})}
+        if draft is not None:
+            self.args += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft)]
+            self.env["SGLANG_DFLASH_IMPL"] = impl
+        self.retries = self.PORT_RETRIES
+        self.error = None
+        self._launch()
+
+    def _launch(self):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = out / f"server_{name}.log"
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--port", str(self.port),
-               *flags, *extra]
-        env = {**os.environ, **(env or {})}
-        if draft is not None:
-            cmd += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft)]
-            env["SGLANG_DFLASH_IMPL"] = impl
-        self.cmd = cmd
-        self.proc = subprocess.Popen(cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=env,
+        self.cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model), "--port",
+                    str(self.port), *self.args]
+        self.proc = subprocess.Popen(self.cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)
-        self.error = None
 
     def wait(self, deadline: float) -> bool:
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                self.error = f"exited with {self.proc.returncode}"
+                tail = self.log.read_text(errors="replace")[-4000:]
+                if "address already in use" in tail and self.retries > 0:
+                    self.retries -= 1
+                    print(f"[bench] {self.name}: port {self.port} taken, starting again on another", flush=True)
+                    self._launch()
+                    continue
+                self.error = f"exited with {self.proc.returncode}: " + " | ".join(tail.strip().splitlines()[-3:])
                 return False
             try:
                 if requests.get(self.url + "/health_generate", timeout=5).status_code == 200:

@@ -751,11 +751,44 @@ def test_captured_step_keeps_its_attention_plan_alive():
 
     wrappers = [Wrapper(), Wrapper()]
     alive = [weakref.ref(w) for w in wrappers]
-    captured = _Captured(graph=None, batch=None, plan=GraphPlan(wrappers[:1], wrappers[1:], [], None), outputs=None,
-                         packed=None)
+    captured = _Captured(graph=None, batch=None, plan=GraphPlan([(wr, 16, None) for wr in wrappers], []),
+                         outputs=None, packed=None)
     del wrappers
     gc.collect()
     assert all(ref() is not None for ref in alive)
     del captured
     gc.collect()
     assert all(ref() is None for ref in alive)
+
+
+def test_step_widths_cost_a_step_by_its_device_time_or_the_host_interval_to_the_next_choice(monkeypatch):
+    """A step's cost is max(its own time, host time from its choice to the next choice); a prefill in between
+    voids the host part; figures reach the policy only once both are known."""
+    import sglang_dflash.adapter.widths as widths_mod
+    from sglang_dflash.policy import AdaptiveConfig
+
+    clock = [0.0]
+    monkeypatch.setattr(widths_mod.time, "perf_counter", lambda: clock[0])
+    sw = widths_mod.StepWidths(AdaptiveConfig.parse('{"widths": [1, 4]}', 4), 4, "cpu")
+    seen = []
+    monkeypatch.setattr(sw.policy, "observe", lambda bs, w, lens, s: seen.append((bs, w, lens, round(s, 6))))
+    assert sw.possible_widths() == [1, 4]
+
+    w1, tok = sw.choose(2)  # step 1: 1 ms in the step, then 4 ms of scheduler before the next choice
+    clock[0] = 0.001
+    sw.finish(tok, 2, w1, torch.tensor([3, 1]))
+    assert seen == []  # its host interval is not known yet
+    clock[0] = 0.005
+    w2, tok = sw.choose(2)
+    assert seen == [(2, w1, [3, 1], 0.005)]
+    clock[0] = 0.012  # step 2: 7 ms in the step itself, then a prefill, then the next choice
+    sw.finish(tok, 2, w2, torch.tensor([0, 0]))
+    sw.interrupt()
+    clock[0] = 0.100
+    sw.choose(3)
+    assert seen[1] == (2, w2, [0, 0], 0.007)  # the prefill's time is not the step's
+
+    pinned = widths_mod.StepWidths(AdaptiveConfig.parse('{"widths": [8]}', 16), 16, "cpu")
+    assert pinned.fixed and pinned.choose(5) == (8, None) and pinned.possible_widths() == [8]
+    capped = widths_mod.StepWidths(AdaptiveConfig.parse('{"widths": [16], "max_batch_size": 8}', 16), 16, "cpu")
+    assert not capped.fixed and capped.possible_widths() == [1, 16] and capped.choose(9)[0] == 1

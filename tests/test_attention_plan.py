@@ -21,7 +21,7 @@ def _cases():
     rng = random.Random(0)
     for case in range(48):
         bs = rng.choice([1, 2, 3, 5, 7, 16, 33, 64, 100])
-        block = rng.choice([2, 7, 16])
+        block = rng.choice([1, 2, 7, 16])
         tiles_q = rng.choice([1, 1, 2])
         budget = rng.choice([88, 264, 44, 5])
         padded = max(budget, tiles_q * bs) + rng.choice([0, 3])
@@ -141,9 +141,10 @@ def _workspace_views(wrapper, bs, block):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashInfer's plan needs a GPU")
+@pytest.mark.parametrize("block", [1, 4, 16])  # query rows per request: a verify width, or the draft's block
 @pytest.mark.parametrize("bs", [1, 3, 16, 64])
-def test_device_plan_equals_flashinfer_host_plan_and_serves_a_captured_graph(bs):
-    block, heads, kv_heads, head_dim = 16, 9, 3, 64
+def test_device_plan_equals_flashinfer_host_plan_and_serves_a_captured_graph(bs, block):
+    heads, kv_heads, head_dim = 9, 3, 64
     dev = torch.device("cuda")
     max_tokens = bs * (6000 + block)
     slots = torch.randperm(max_tokens + 1000, device=dev)[:max_tokens].to(torch.int32)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,32 @@ def test_server_env_reaches_its_own_process_only(monkeypatch, tmp_path):
     bench.Server("b", "T", None, "sglang_dflash", tmp_path)
     assert spawned[0]["SGLANG_DFLASH_TIMELINE"] == "t.json" and spawned[0]["SGLANG_DFLASH_IMPL"] == "sglang_dflash"
     assert "SGLANG_DFLASH_TIMELINE" not in spawned[1] and "SGLANG_DFLASH_TIMELINE" not in os.environ
+
+
+def test_a_server_whose_port_was_taken_starts_again_on_another_port(monkeypatch, tmp_path):
+    """Servers starting together pick internal ports at random; one that lost its HTTP port to another is
+    started again on a fresh port (a bounded number of times); any other early exit is reported with its log."""
+    ports = iter([101, 102, 103, 104, 105])
+    monkeypatch.setattr(bench, "free_port", lambda: next(ports))
+
+    class Proc:
+        def __init__(self, cmd, stdout, **kw):
+            self.port = int(cmd[cmd.index("--port") + 1])
+            stdout.write("ERROR: [Errno 98] error while attempting to bind: address already in use\n"
+                         if self.port < 103 else "ValueError: bad draft\n")
+            stdout.close()
+            self.returncode = 1
+
+        def poll(self):
+            return 1
+
+    monkeypatch.setattr(bench.subprocess, "Popen", Proc)
+    s = bench.Server("a", "T", "D", "sglang_dflash", tmp_path)
+    assert not s.wait(time.time() + 5)
+    assert s.port == 103 and s.retries == 1 and "ValueError: bad draft" in s.error
+    monkeypatch.setattr(bench.Server, "PORT_RETRIES", 1)
+    s = bench.Server("b", "T", "D", "sglang_dflash", tmp_path)  # 104, then 105: both fail for another reason
+    assert not s.wait(time.time() + 5) and s.port == 104 and "bad draft" in s.error
 
 
 def test_passes_run_the_lowest_concurrency_first():

@@ -1,9 +1,9 @@
-"""The decode step (`step.decode_step`) captured as one CUDA graph per batch size, on FlashInfer.
+"""The decode step (`step.decode_step`) captured as one CUDA graph per (batch size, verify width), on FlashInfer.
 
 Replayed through SGLang's runners, a step is three graph replays (draft, verify, commit_kv) plus
 ~20 eager launches, and each replay first rebuilds a ForwardBatch, copies it into the runner's static
 buffers and plans attention: the host, not the GPU, sets the step time on small targets. Here the
-whole `decode_step` is captured, per batch size, over a static `step.StepBatch`, with `GraphPlan` as its
+whole `decode_step` is captured, per batch size and verify width, over a static `step.StepBatch`, with `GraphPlan` as its
 attention planner: inside the graph it writes both forwards' FlashInfer paged layout (qo/kv indptr, kv
 indices) and their split-kv plans (`DevicePlan`: FlashInfer's host planning rule, run on the device by
 `kernels.attention_plan`) from the committed lengths on the device. A replay copies three per-request
@@ -16,9 +16,14 @@ Padding: a batch of n requests replays the graph of the next captured size m >= 
 committed length 1 and request-pool row 0, and every KV write of those rows (draft block, target
 block, draft context) goes to SGLang's padding slot 0.
 
-Each captured size owns its own attention wrappers (created through the backends' capture path and then
-taken out of ``prefill_cuda_graph_metadata``, which belongs to SGLang's per-runner graphs). This module sees
-the step's `StepModels`, never the worker.
+Widths: every candidate verify width of the policy (`sglang_dflash.policy`) is captured for every batch size, so
+a narrower step replays a graph as well (an eager step would read the committed lengths on the host: a sync that
+stops the overlap schedule). The draft forward always runs the whole block, so a batch size's draft wrappers serve
+all its widths; the target's wrappers are per (size, width). Each owns an 8 MiB FlashInfer int workspace.
+
+Each captured graph's wrappers are its own (created through the backends' capture path and then taken out of
+``prefill_cuda_graph_metadata``, which belongs to SGLang's per-runner graphs). This module sees the step's
+`StepModels`, never the worker.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ class DevicePlan:
     MIN_KV_CHUNK = 128  # FlashInfer's min_kv_chunk_size for page size 1
 
     def __init__(self, wrapper, bs: int, block_size: int, num_qo_heads: int, num_kv_heads: int, scratch: torch.Tensor):
+        """``block_size``: query rows per request of this wrapper's forward (the draft's block, or the verify
+        width)."""
         info = list(wrapper._plan_info)
         if len(info) != 15 or not info[13] or not info[14]:
             raise RuntimeError(f"sglang-dflash: unexpected FlashInfer prefill plan {info} (expected a CUDA-graph plan "
@@ -71,26 +78,27 @@ class DevicePlan:
 
 
 class GraphPlan:
-    """`decode_step`'s attention planner inside a captured graph: the paged layout and split-kv plan of this size's
-    own wrappers, written on the device, then each backend's in-graph metadata."""
+    """`decode_step`'s attention planner inside a captured graph: the paged layout and split-kv plan of this graph's
+    own wrappers, written on the device, then each backend's in-graph metadata. ``layouts``: (wrapper, query rows
+    per request, qo_indptr ``arange(0, (bs + 1) * rows, rows)``) per wrapper."""
 
-    def __init__(self, draft_wrappers, target_wrappers, plans: list[DevicePlan], qo_indptr: torch.Tensor):
-        self.wrappers = (*draft_wrappers, *target_wrappers)
-        self.plans, self.qo_indptr = plans, qo_indptr
+    def __init__(self, layouts: list, plans: list[DevicePlan]):
+        self.layouts, self.plans = layouts, plans
 
     def __call__(self, m: StepModels, b: StepBatch) -> None:
-        for wrapper in self.wrappers:  # the attention layout
-            wrapper._qo_indptr_buf.copy_(self.qo_indptr[: b.bs + 1])
-            write_block_kv_layout(m.req_to_token, b.req_pool_indices, b.seq_lens, m.block_size,
+        for wrapper, rows, qo_indptr in self.layouts:  # the attention layout
+            wrapper._qo_indptr_buf.copy_(qo_indptr[: b.bs + 1])
+            write_block_kv_layout(m.req_to_token, b.req_pool_indices, b.seq_lens, rows,
                                   wrapper._paged_kv_indptr_buf, wrapper._paged_kv_indices_buf)
         for plan in self.plans:  # and its split-kv plan
             plan.write(b.seq_lens)
-        m.draft_backend.init_forward_metadata_in_graph(b.draft_fb)
+        if b.draft_fb is not None:
+            m.draft_backend.init_forward_metadata_in_graph(b.draft_fb)
         m.target_backend.init_forward_metadata_in_graph(b.target_fb)
 
 
 class _Captured:
-    """One batch size: its graph, the static `StepBatch` it reads and writes, its `GraphPlan` (whose wrappers own
+    """One (batch size, width): its graph, the static `StepBatch` it reads and writes, its `GraphPlan` (whose wrappers own
     buffers the graph reads: kept alive with it), its outputs, and ``packed``, the one int64 buffer the greedy
     accept writes (`unpack`; a replay copies it out in one launch)."""
 
@@ -99,44 +107,60 @@ class _Captured:
 
 
 class StepGraphs:
-    """`decode_step` captured for ``batch_sizes`` (FlashInfer, CUDA); ``vocab_size``: the target's logits width."""
+    """`decode_step` captured for ``batch_sizes`` x ``widths`` (FlashInfer, CUDA); ``vocab_size``: the target's logits
+    width."""
 
-    def __init__(self, m: StepModels, batch_sizes: Sequence[int], vocab_size: int, device):
+    def __init__(self, m: StepModels, batch_sizes: Sequence[int], widths: Sequence[int], vocab_size: int, device):
         self.m, self.B = m, m.block_size
         self.sizes = sorted({int(b) for b in batch_sizes})
+        self.widths = sorted({int(w) for w in widths})
         max_bs, dev = self.sizes[-1], device
         self.bonus = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.seq_lens = torch.full((max_bs,), SEQ_LEN_FILL, dtype=torch.int64, device=dev)
         self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.valid = torch.zeros(max_bs, dtype=torch.bool, device=dev)
-        # one float logits buffer for every size (SGLang's logits processor copies into it): per-size logits
+        # one float logits buffer for every graph (SGLang's logits processor copies into it): per-graph logits
         # outputs would each stay alive with their graph
         self.logits = torch.zeros((max_bs * self.B, vocab_size), dtype=torch.float, device=dev)
-        self.qo_indptr = torch.arange(0, (max_bs + 1) * self.B, self.B, dtype=torch.int32, device=dev)
+        self.qo_indptr = {rows: torch.arange(0, (max_bs + 1) * rows, rows, dtype=torch.int32, device=dev)
+                          for rows in {*self.widths, self.B}}
         self.plan_scratch = torch.zeros(3 * triton_next_power_of_2(max_bs), dtype=torch.int32, device=dev)
-        self.captured: dict[int, _Captured] = {}
+        self.captured: dict[tuple[int, int], _Captured] = {}
         pool = None
         # SGLang's capture context: under tensor parallelism the draft's and the target's all-reduces / gathers
         # go to the communicators that can be captured (PyNccl, custom all-reduce), as in SGLang's own graphs
         with graph_capture() as context:
             for bs in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool
-                self.captured[bs] = self._capture(bs, context.stream, pool, dev)
-                pool = self.captured[bs].graph.pool()
+                draft = None  # (layout, plan, forward_metadata) of this size's draft wrappers, shared by its widths
+                for w in reversed(self.widths):
+                    c, draft = self._capture(bs, w, draft, context.stream, pool, dev)
+                    self.captured[(bs, w)] = c
+                    pool = c.graph.pool()
 
     # ---- capture -------------------------------------------------------------------------
-    def _capture(self, bs: int, stream: torch.cuda.Stream, pool, dev) -> _Captured:
+    def _capture(self, bs: int, w: int, draft, stream: torch.cuda.Stream, pool, dev):
+        """-> (the graph of ``bs`` requests at width ``w``, this size's draft wrappers for its next widths)."""
         m, B = self.m, self.B
-        packed = torch.zeros(bs * (B + 3), dtype=torch.int64, device=dev)
+        packed = torch.zeros(bs * (w + 3), dtype=torch.int64, device=dev)
         b = StepBatch(m, self.bonus[:bs], self.seq_lens[:bs], self.req_pool_indices[:bs], valid=self.valid[:bs],
-                      accept_out=unpack(packed, bs, B), logits_buffer=self.logits[: bs * B])
+                      accept_out=unpack(packed, bs, w), logits_buffer=self.logits[: bs * w], width=w)
         self.valid[:bs].fill_(False)  # capture and warm-up write only to the padding slot
-        draft_wrappers = _prepare_wrappers(m.draft_backend, b.draft_fb, bs)
-        target_wrappers = _prepare_wrappers(m.target_backend, b.target_fb, bs)
-        plans = [DevicePlan(wr, bs, B, be.indices_updater_prefill.num_qo_heads, be.indices_updater_prefill.num_kv_heads,
-                            self.plan_scratch)
-                 for be, wrappers in ((m.draft_backend, draft_wrappers), (m.target_backend, target_wrappers))
-                 for wr in wrappers]
-        plan = GraphPlan(draft_wrappers, target_wrappers, plans, self.qo_indptr)
+        layouts, plans = [], []
+        if b.draft_fb is not None:
+            if draft is None:
+                wrappers = _prepare_wrappers(m.draft_backend, b.draft_fb, bs)
+                be = m.draft_backend.indices_updater_prefill
+                draft = ([(wr, B, self.qo_indptr[B]) for wr in wrappers],
+                         [DevicePlan(wr, bs, B, be.num_qo_heads, be.num_kv_heads, self.plan_scratch) for wr in wrappers],
+                         m.draft_backend.forward_metadata)
+            m.draft_backend.forward_metadata = draft[2]  # what the draft forward reads while being captured
+            layouts += draft[0]
+            plans += draft[1]
+        wrappers = _prepare_wrappers(m.target_backend, b.target_fb, bs)
+        be = m.target_backend.indices_updater_prefill
+        layouts += [(wr, w, self.qo_indptr[w]) for wr in wrappers]
+        plans += [DevicePlan(wr, bs, w, be.num_qo_heads, be.num_kv_heads, self.plan_scratch) for wr in wrappers]
+        plan = GraphPlan(layouts, plans)
 
         torch.cuda.synchronize(dev)
         graph = torch.cuda.CUDAGraph()
@@ -149,18 +173,20 @@ class StepGraphs:
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 outputs = decode_step(m, b, plan)
         torch.cuda.synchronize(dev)
-        return _Captured(graph, b, plan, outputs, packed)
+        return _Captured(graph, b, plan, outputs, packed), draft
 
     # ---- replay --------------------------------------------------------------------------
     def padded_size(self, n: int) -> int | None:
         """The captured batch size a batch of n requests replays (None: larger than every capture)."""
         return padded_rows(n, self.sizes)
 
-    def replay(self, bonus_tokens: torch.Tensor, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor) -> StepResult:
-        """One decode step of n requests (at most the largest captured size); returns the real rows' results."""
+    def replay(self, bonus_tokens: torch.Tensor, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor,
+               width: int) -> StepResult:
+        """One decode step of n requests (at most the largest captured size) at a captured ``width``; returns the
+        real rows' results."""
         n = seq_lens.shape[0]
         m = self.padded_size(n)
-        c = self.captured[m]
+        c = self.captured[(m, width)]
         self.bonus[:n].copy_(bonus_tokens)
         self.seq_lens[:n].copy_(seq_lens)
         self.req_pool_indices[:n].copy_(req_pool_indices)
@@ -171,8 +197,8 @@ class StepGraphs:
             self.valid[n:m].fill_(False)
         c.graph.replay()
         o = c.outputs
-        accept_lens, bonus, committed, new_seq_lens = unpack(c.packed.clone(), m, self.B)  # one copy
-        return StepResult(o.draft_tokens[:n], o.logits[: n * self.B], accept_lens[:n], bonus[:n], committed[:n],
+        accept_lens, bonus, committed, new_seq_lens = unpack(c.packed.clone(), m, width)  # one copy
+        return StepResult(o.draft_tokens[:n], o.logits[: n * width], accept_lens[:n], bonus[:n], committed[:n],
                           new_seq_lens[:n])
 
 

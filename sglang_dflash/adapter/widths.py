@@ -1,10 +1,13 @@
 """The worker's verify width per decode step: `sglang_dflash.policy.WidthPolicy`, fed without a host sync.
 
-Each step's duration and accept lengths reach the policy when the host has them anyway: on CPU at once; on CUDA
-through a timing event pair and a non-blocking copy of the accept lengths, read when the end event has completed
-(`torch.cuda.Event.query`, checked at the next choice), so the overlap schedule keeps the host ahead. Under tensor
+A step's cost is what it holds the server for: the larger of its device time (a timing event pair on CUDA, the
+wall time of the step on CPU) and the host's time from its width choice to the next one (the scheduler's work
+between steps included, which no device timer sees and which sets the step time of small models). A prefill in
+between voids the host part (`interrupt`). Each step reaches the policy once the host has its figures anyway:
+the host interval at the next choice, and on CUDA the accept lengths through a non-blocking copy read when the end
+event has completed (`torch.cuda.Event.query`), so the overlap schedule keeps the host ahead. Under tensor
 parallelism every rank takes the first rank's width (one host broadcast per step), since measured durations
-differ between ranks. A pinned width (one candidate) costs nothing per step.
+differ between ranks. A pinned width (one candidate, no batch ceiling) costs nothing per step.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -21,54 +25,93 @@ logger = logging.getLogger(__name__)
 LOG_EVERY_S = 60.0
 
 
+@dataclass
+class _Step:
+    """A finished step waiting for its figures: device timing (CUDA events, or host seconds on CPU), the accept
+    lengths (a pinned host copy on CUDA), and the host interval to the next choice (None: not known yet)."""
+
+    start: object
+    end: object
+    lens: object
+    bs: int
+    width: int
+    host_s: float | None = None
+
+
 class StepWidths:
     """``choose(bs)`` before a step, ``finish(token, bs, width, accept_lens)`` after it (``token`` from
-    ``choose``); ``counts``: steps per width since the last log line."""
+    ``choose``), ``interrupt()`` when a prefill runs between steps; ``counts``: steps per width since the last
+    log line."""
 
     def __init__(self, cfg: AdaptiveConfig, block_size: int, device, tp_group=None):
         self.policy = WidthPolicy(block_size, cfg.widths, cfg.max_batch_size)
         self.fixed = len(self.policy.widths) == 1 and cfg.max_batch_size is None
         self.cuda = torch.device(device).type == "cuda"
         self.tp_group = tp_group
-        self.pending: collections.deque = collections.deque()  # (start, end, accept_lens host copy, bs, width)
+        self.pending: collections.deque[_Step] = collections.deque()
+        self.open: _Step | None = None  # the last step, whose host interval ends at the next choice
+        self.chosen_at = 0.0
         self.counts: collections.Counter = collections.Counter()
         self.last_log = time.monotonic()
+
+    def possible_widths(self) -> list[int]:
+        """Every width `choose` can return (the candidates, and 1 above a batch-size ceiling)."""
+        return sorted({*self.policy.widths, *([1] if self.policy.max_batch_size is not None else [])})
 
     def choose(self, bs: int) -> tuple[int, object]:
         """-> (width, token for `finish`)."""
         if self.fixed:
             return self.policy.widths[0], None
+        now = time.perf_counter()
+        if self.open is not None:
+            self.open.host_s = now - self.chosen_at
+            self.open = None
+        self.chosen_at = now
         self._drain()
         width = self.policy.choose(bs)
         if self.tp_group is not None:
             width = self.tp_group.broadcast_object(width, src=0)
         self.counts[width] += 1
-        now = time.monotonic()
-        if now - self.last_log >= LOG_EVERY_S:
-            logger.info("sglang-dflash: verify widths of the last %.0f s (width: steps): %s", now - self.last_log,
-                        dict(sorted(self.counts.items())))
-            self.counts.clear()
-            self.last_log = now
+        if time.monotonic() - self.last_log >= LOG_EVERY_S:
+            self._log()
         if self.cuda:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
             return width, start
-        return width, time.perf_counter()
+        return width, now
 
     def finish(self, token, bs: int, width: int, accept_lens: torch.Tensor) -> None:
         """After the step (and its accept) of ``bs`` rows at ``width``; ``accept_lens`` [bs] accepted drafts."""
         if self.fixed:
             return
-        if not self.cuda:
-            self.policy.observe(bs, width, accept_lens.tolist(), time.perf_counter() - token)
-            return
-        end = torch.cuda.Event(enable_timing=True)
-        lens = torch.empty(accept_lens.shape, dtype=accept_lens.dtype, pin_memory=True)
-        lens.copy_(accept_lens, non_blocking=True)
-        end.record()
-        self.pending.append((token, end, lens, bs, width))
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            lens = torch.empty(accept_lens.shape, dtype=accept_lens.dtype, pin_memory=True)
+            lens.copy_(accept_lens, non_blocking=True)
+            end.record()
+        else:
+            end, lens = time.perf_counter(), accept_lens.tolist()
+        self.open = _Step(token, end, lens, bs, width)
+        self.pending.append(self.open)
+
+    def interrupt(self) -> None:
+        """Another forward (a prefill) runs before the next step: the last step's host interval is not its own."""
+        if self.open is not None:
+            self.open.host_s = 0.0
+            self.open = None
 
     def _drain(self) -> None:
-        while self.pending and self.pending[0][1].query():
-            start, end, lens, bs, width = self.pending.popleft()
-            self.policy.observe(bs, width, lens.tolist(), start.elapsed_time(end) / 1e3)
+        while self.pending and self.pending[0].host_s is not None and (not self.cuda or self.pending[0].end.query()):
+            s = self.pending.popleft()
+            if self.cuda:
+                device_s, lens = s.start.elapsed_time(s.end) / 1e3, s.lens.tolist()
+            else:
+                device_s, lens = s.end - s.start, s.lens
+            self.policy.observe(s.bs, s.width, lens, max(device_s, s.host_s))
+
+    def _log(self) -> None:
+        now = time.monotonic()
+        logger.info("sglang-dflash: verify widths of the last %.0f s (width: steps): %s", now - self.last_log,
+                    dict(sorted(self.counts.items())))
+        self.counts.clear()
+        self.last_log = now

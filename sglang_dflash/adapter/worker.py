@@ -159,8 +159,11 @@ class DFlashWorker(BaseSpecWorker):
                         "with one wrapper per model)")
             return
         sizes = sorted(set.intersection(*(set(r.decode_cuda_graph_runner.capture_bs) for r in runners)))
-        self.step_graphs = StepGraphs(self.models, sizes, self.target_runner.model_config.vocab_size, self.device)
-        logger.info("sglang-dflash: decode step captured as one CUDA graph for batch sizes %s", sizes)
+        widths = self.widths.possible_widths()
+        self.step_graphs = StepGraphs(self.models, sizes, widths, self.target_runner.model_config.vocab_size,
+                                      self.device)
+        logger.info("sglang-dflash: decode step captured as one CUDA graph for batch sizes %s x verify widths %s",
+                    sizes, widths)
 
     @property
     def spec_v2_attn_backends(self) -> tuple:
@@ -216,10 +219,10 @@ class DFlashWorker(BaseSpecWorker):
         seq_lens, rows = batch.seq_lens.to(torch.int64), batch.req_pool_indices.to(torch.int64)
         bs = batch.batch_size()
         width, timing = self.widths.choose(bs)
-        graphed = (width == self.block_size and self.step_graphs is not None
-                   and self.step_graphs.padded_size(bs) is not None)
+        graphed = (self.step_graphs is not None and self.step_graphs.padded_size(bs) is not None
+                   and width in self.step_graphs.widths)
         if graphed:
-            res = self.step_graphs.replay(state.bonus_tokens, seq_lens, rows)
+            res = self.step_graphs.replay(state.bonus_tokens, seq_lens, rows, width)
         else:  # host plan: the lengths on the host (copied here when SGLang did not mirror them)
             if batch.seq_lens_cpu is None:
                 batch.seq_lens_cpu = batch.seq_lens.cpu()
@@ -250,6 +253,7 @@ class DFlashWorker(BaseSpecWorker):
         )
 
     def prefill(self, batch) -> GenerationBatchResult:
+        self.widths.interrupt()
         out = self.target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
         prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64)
         lens = torch.tensor(batch.extend_lens, dtype=torch.int64)
