@@ -788,6 +788,20 @@ def test_step_widths_cost_a_step_by_its_device_time_or_the_host_interval_to_the_
     sw.choose(3)
     assert seen[1] == (2, w2, [0, 0], 0.007)  # the prefill's time is not the step's
 
+    # overlap schedule: the host launches step N, then waits for step N-1: the interval from choice N to N+1 is N-1's
+    ov = widths_mod.StepWidths(AdaptiveConfig.parse('{"widths": [1, 4]}', 4), 4, "cpu", overlap=True)
+    seen.clear()
+    monkeypatch.setattr(ov.policy, "observe", lambda bs, w, lens, s: seen.append((bs, w, lens, round(s, 6))))
+    for i, (t_choose, t_done) in enumerate([(1.000, 1.001), (1.010, 1.011), (1.030, 1.031)]):
+        clock[0] = t_choose
+        w, tok = ov.choose(1)
+        clock[0] = t_done
+        ov.finish(tok, 1, w, torch.tensor([i]))
+    assert [x[2:] for x in seen] == [([0], 0.02)]  # step 1: choice 2 -> choice 3 (20 ms), not its own 1 ms
+    clock[0] = 1.040
+    ov.choose(1)
+    assert [x[2:] for x in seen] == [([0], 0.02), ([1], 0.01)]  # step 2: choice 3 -> choice 4
+
     pinned = widths_mod.StepWidths(AdaptiveConfig.parse('{"widths": [8]}', 16), 16, "cpu")
     assert pinned.fixed and pinned.choose(5) == (8, None) and pinned.possible_widths() == [8]
     capped = widths_mod.StepWidths(AdaptiveConfig.parse('{"widths": [16], "max_batch_size": 8}', 16), 16, "cpu")

@@ -1,9 +1,12 @@
 """The worker's verify width per decode step: `sglang_dflash.policy.WidthPolicy`, fed without a host sync.
 
 A step's cost is what it holds the server for: the larger of its device time (a timing event pair on CUDA, the
-wall time of the step on CPU) and the host's time from its width choice to the next one (the scheduler's work
-between steps included, which no device timer sees and which sets the step time of small models). A prefill in
-between voids the host part (`interrupt`). Each step reaches the policy once the host has its figures anyway:
+wall time of the step on CPU) and its host interval, the time between two width choices (the scheduler's work
+between steps included, which no device timer sees and which sets the step time of small models). Which step an
+interval belongs to depends on the schedule: without overlap the host waits for step N before it chooses for
+N+1, so the interval from choice N to N+1 is step N's; under SGLang's overlap schedule the host launches step N,
+then waits for step N-1's result, so that interval is step N-1's (``lag`` 1). A prefill in the interval voids it
+(`interrupt`). Each step reaches the policy once the host has its figures anyway:
 the host interval at the next choice, and on CUDA the accept lengths through a non-blocking copy read when the end
 event has completed (`torch.cuda.Event.query`), so the overlap schedule keeps the host ahead. Under tensor
 parallelism every rank takes the first rank's width (one host broadcast per step), since measured durations
@@ -43,14 +46,16 @@ class StepWidths:
     ``choose``), ``interrupt()`` when a prefill runs between steps; ``counts``: steps per width since the last
     log line."""
 
-    def __init__(self, cfg: AdaptiveConfig, block_size: int, device, tp_group=None):
+    def __init__(self, cfg: AdaptiveConfig, block_size: int, device, tp_group=None, overlap: bool = False):
+        self.lag = 1 if overlap else 0
         self.policy = WidthPolicy(block_size, cfg.widths, cfg.max_batch_size)
         self.fixed = len(self.policy.widths) == 1 and cfg.max_batch_size is None
         self.cuda = torch.device(device).type == "cuda"
         self.tp_group = tp_group
         self.pending: collections.deque[_Step] = collections.deque()
-        self.open: _Step | None = None  # the last step, whose host interval ends at the next choice
-        self.chosen_at = 0.0
+        self.recent: collections.deque[_Step] = collections.deque(maxlen=2)  # the last steps, newest last
+        self.chosen_at: float | None = None
+        self.interval_void = False  # a prefill ran since the last choice
         self.counts: collections.Counter = collections.Counter()
         self.last_log = time.monotonic()
 
@@ -63,10 +68,14 @@ class StepWidths:
         if self.fixed:
             return self.policy.widths[0], None
         now = time.perf_counter()
-        if self.open is not None:
-            self.open.host_s = now - self.chosen_at
-            self.open = None
-        self.chosen_at = now
+        if self.chosen_at is not None:
+            if self.interval_void:  # the steps still without an interval keep their device time
+                for step in self.recent:
+                    step.host_s = 0.0 if step.host_s is None else step.host_s
+                self.recent.clear()
+            elif len(self.recent) > self.lag:
+                self.recent[-1 - self.lag].host_s = now - self.chosen_at
+        self.chosen_at, self.interval_void = now, False
         self._drain()
         width = self.policy.choose(bs)
         if self.tp_group is not None:
@@ -91,14 +100,13 @@ class StepWidths:
             end.record()
         else:
             end, lens = time.perf_counter(), accept_lens.tolist()
-        self.open = _Step(token, end, lens, bs, width)
-        self.pending.append(self.open)
+        step = _Step(token, end, lens, bs, width)
+        self.recent.append(step)
+        self.pending.append(step)
 
     def interrupt(self) -> None:
-        """Another forward (a prefill) runs before the next step: the last step's host interval is not its own."""
-        if self.open is not None:
-            self.open.host_s = 0.0
-            self.open = None
+        """Another forward (a prefill) runs before the next step: the current host interval is no step's."""
+        self.interval_void = True
 
     def _drain(self) -> None:
         while self.pending and self.pending[0].host_s is not None and (not self.cuda or self.pending[0].end.query()):

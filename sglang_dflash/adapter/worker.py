@@ -90,7 +90,8 @@ class DFlashWorker(BaseSpecWorker):
                         "a block query may see up to block_size keys past z-lab's window (torch_native: exact)")
         self.sampler = BlockSampler(self.device)
         adaptive = AdaptiveConfig.parse(server_args.speculative_adaptive_config, self.block_size)
-        self.widths = StepWidths(adaptive, self.block_size, self.device, self.tp_group)
+        self.widths = StepWidths(adaptive, self.block_size, self.device, self.tp_group,
+                                 overlap=not server_args.disable_overlap_schedule)
         self.step_graphs: StepGraphs | None = None  # the whole step as CUDA graphs (init_cuda_graphs, FlashInfer)
         self._models: StepModels | None = None
         self.state_commit: hybrid.StateCommit | None = None  # hybrid targets (init_attention_backends)
