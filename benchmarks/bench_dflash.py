@@ -1,7 +1,7 @@
 """Side-by-side serving speed: no speculation vs SGLang's built-in DFLASH vs sglang-dflash.
 
 One command, one GPU. Every server is started up front (in parallel, each with a slice of
-GPU memory; idle servers sleep), then each is driven alone with SGLang's own load generator
+GPU memory; idle servers sleep; `--serial-workloads`: one workload's servers at a time), then each is driven alone with SGLang's own load generator
 (`python -m sglang.bench_serving`) at every concurrency. Workloads:
 
 * real:  the target + trained drafter on held-out MT-Bench / HumanEval / GSM8K prompts,
@@ -23,7 +23,8 @@ table last.
     python benchmarks/bench_dflash.py --target T --draft D --out results/
 
 At a realistic size: `benchmarks/random_checkpoints.py --shape qwen3-8b --out M` builds a random Qwen3-8B-shaped
-target and a 5-layer z-lab-format draft on the GPU machine; pass M/target and M/draft.
+target and a 5-layer z-lab-format draft on the GPU machine; pass M/target and M/draft, and `--serial-workloads`
+(one H200 does not hold every 8B server at once).
 """
 
 from __future__ import annotations
@@ -179,6 +180,17 @@ def write_dataset(prompts: list[str], path: Path) -> Path:
 
 
 _STOPPING = False  # set by SIGTERM: the in-process load generator's catch-all must not swallow the exit
+
+
+def server_groups(workloads: list[str], impls: list[str], profile: bool, serial: bool) -> list[list[tuple]]:
+    """The (workload, impl) servers, in groups that run one after another: one group of every server, or one per
+    workload (``serial``). All together, bound_accept_none shares the real workload's no-spec server (same
+    target); one workload at a time, it has its own."""
+    plan = [(w, impl) for w in workloads for impl in impls
+            if serial or not (impl == "nospec" and w == "bound_accept_none")]
+    if profile:  # the real workload and the every-token-accepted bound (16 tokens per step)
+        plan += [(w, "ours_profiled") for w in ("real", "bound_accept_all") if w in workloads]
+    return [[key for key in plan if key[0] == w] for w in workloads] if serial else [plan]
 
 
 def _stop(*_):
@@ -378,6 +390,10 @@ def main():
     ap.add_argument("--time-budget", type=float, default=None,
                     help="seconds of load after which no further cell starts (the rest are reported as not run)")
     ap.add_argument("--server-flags", default=" ".join(SERVER_FLAGS), help="flags every server gets")
+    ap.add_argument("--serial-workloads", action="store_true",
+                    help="start one workload's servers at a time (its own no-spec server for bound_accept_none), "
+                         "stopping them before the next workload's: for targets of which one GPU cannot hold "
+                         "every server at once (e.g. the 8B shape). Passes are then interleaved within a workload only")
     ap.add_argument("--prefill-graph-tokens", default=PREFILL_GRAPH_TOKENS,
                     help="prompt lengths SGLang's prefill CUDA graph is captured for on every server (comma-separated, "
                          "e.g. 32,64,128,256,512), or 'none' (default) for eager prefill")
@@ -418,16 +434,9 @@ def main():
     if "bound_accept_none" in workloads:
         models["bound_accept_none"] = (target, random_draft(draft, work / "random_draft"))
 
-    plan = []  # (workload, impl)
-    for w in workloads:
-        for impl in impls:
-            if impl == "nospec" and w == "bound_accept_none":
-                continue  # same server as real/nospec
-            plan.append((w, impl))
-    if args.profile:  # the real workload and the every-token-accepted bound (16 tokens per step)
-        plan += [(w, "ours_profiled") for w in ("real", "bound_accept_all") if w in workloads]
-    servers = {}
-    for w, impl in plan:
+    groups = server_groups(workloads, impls, args.profile, args.serial_workloads)
+
+    def start(w, impl):
         tgt, drf = models[w]
         env_impl = {"builtin": "builtin"}.get(impl, "sglang_dflash")
         extra = ["--cuda-graph-max-bs", str(max(concs))] if torch.cuda.is_available() else []
@@ -441,62 +450,72 @@ def main():
             extra = [*extra, "--speculative-adaptive-config", OURS_ADAPTIVE_CONFIG[impl]]
         if impl == "ours" and args.timeline:
             env["SGLANG_DFLASH_TIMELINE"] = str(out / f"timeline_{w}.json")
-        servers[(w, impl)] = Server(f"{w}_{impl}", tgt, None if impl == "nospec" else drf, env_impl, out, extra,
-                                    server_flags(args.server_flags, args.prefill_graph_tokens), env)
+        return Server(f"{w}_{impl}", tgt, None if impl == "nospec" else drf, env_impl, out, extra,
+                      server_flags(args.server_flags, args.prefill_graph_tokens), env)
+
     # a benchmark stopped from outside (SIGTERM, e.g. a time limit) still stops its servers and reports what it has
     signal.signal(signal.SIGTERM, _stop)
-    deadline = time.time() + args.startup_timeout
     results = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available()
                else "cpu", "args": vars(args), "servers": {}, "runs": [], "identity": {},
                "kernel_profile": {}}
+    passes: dict = {}
+    load_start = None
+    timeline_seen = {}  # workload -> the last timeline snapshot of its sglang-dflash server
     try:
-        for key, s in servers.items():
-            ok = s.wait(deadline)
-            results["servers"][s.name] = {"ok": ok, "error": s.error, "cmd": " ".join(s.cmd)}
-            print(f"[bench] {s.name}: {'up' if ok else 'FAILED: ' + str(s.error)}", flush=True)
-        up = {k: s for k, s in servers.items() if results["servers"][s.name]["ok"]}
-        for w in workloads:
-            group = [up[(w2, i)] for (w2, i) in up if w2 == w or (w == "bound_accept_none" and (w2, i) == ("real", "nospec"))]
-            group.sort(key=lambda s: s.name.endswith("nospec"), reverse=True)
-            if len(group) > 1:
-                results["identity"][w] = check_identical(group, check_ids, 64)
-                print(f"[bench] identity {w}: {results['identity'][w]}", flush=True)
-        if args.kernel_profile:
-            for (w, impl), s in up.items():
-                if impl == "ours_profiled":
-                    continue
-                per_step = 1 if impl == "nospec" else 16  # the most tokens a step commits: enough steps always
-                results["kernel_profile"][s.name] = kernel_profile(s, check_ids[0], args.kernel_profile, per_step, out)
-                print(f"[bench] kernel profile {s.name}: {json.dumps(results['kernel_profile'][s.name])[:400]}",
-                      flush=True)
-        cells = [(w, impl, s, temp, conc) for (w, impl), s in up.items() for temp in temps for conc in concs
-                 if (w == "real" or temp == 0) and (impl != "ours_profiled" or conc in (1, 16))]
-        passes = {cell[:2] + cell[3:]: [] for cell in cells}
-        load_start = time.time()
-        timeline_seen = {}  # workload -> the last timeline snapshot of its sglang-dflash server
-        for rep in range(args.repeats):
-            for w, impl, s, temp, conc in pass_order(cells):
-                if args.time_budget is not None and time.time() - load_start > args.time_budget:
-                    print(f"[bench] time budget of {args.time_budget:g} s spent: pass {rep + 1} stops before "
-                          f"{w} {impl} c={conc} T={temp}", flush=True)
-                    break
-                r = bench_serving(s, target, dataset, conc, max(8, args.prompts_per_level * conc),
-                                  args.accept_all_output_len or args.output_len if w == "bound_accept_all"
-                                  else args.output_len, temp, out)
-                tl_path = out / f"timeline_{w}.json"
-                if impl == "ours" and tl_path.exists():  # this cell's share of the server's cumulative timeline
-                    snap = json.loads(tl_path.read_text())["timeline"]
-                    r["timeline"] = timeline_delta(timeline_seen.get(w, {}), snap)
-                    timeline_seen[w] = snap
-                passes[(w, impl, temp, conc)].append(r)
-                print(f"[bench] pass {rep + 1}/{args.repeats} {w:18s} {impl:14s} c={conc:3d} T={temp} -> "
-                      f"{r.get('output_throughput') or r.get('error', '')[:300]}", flush=True)
-                results["runs"] = [median_row(rows, w, impl, temp, conc)
-                                   for (w, impl, temp, conc), rows in passes.items() if rows]
-                (out / "results.json").write_text(json.dumps(results, indent=1))
+        for group in groups:
+            servers = {}
+            try:
+                servers = {key: start(*key) for key in group}
+                deadline = time.time() + args.startup_timeout
+                for key, s in servers.items():
+                    ok = s.wait(deadline)
+                    results["servers"][s.name] = {"ok": ok, "error": s.error, "cmd": " ".join(s.cmd)}
+                    print(f"[bench] {s.name}: {'up' if ok else 'FAILED: ' + str(s.error)}", flush=True)
+                up = {k: s for k, s in servers.items() if results["servers"][s.name]["ok"]}
+                for w in dict.fromkeys(w for w, _ in group):
+                    members = [up[(w2, i)] for (w2, i) in up
+                               if w2 == w or (w == "bound_accept_none" and (w2, i) == ("real", "nospec"))]
+                    members.sort(key=lambda s: s.name.endswith("nospec"), reverse=True)
+                    if len(members) > 1:
+                        results["identity"][w] = check_identical(members, check_ids, 64)
+                        print(f"[bench] identity {w}: {results['identity'][w]}", flush=True)
+                if args.kernel_profile:
+                    for (w, impl), s in up.items():
+                        if impl == "ours_profiled":
+                            continue
+                        per_step = 1 if impl == "nospec" else 16  # the most tokens a step commits: enough steps
+                        results["kernel_profile"][s.name] = kernel_profile(s, check_ids[0], args.kernel_profile,
+                                                                           per_step, out)
+                        print(f"[bench] kernel profile {s.name}: "
+                              f"{json.dumps(results['kernel_profile'][s.name])[:400]}", flush=True)
+                cells = [(w, impl, s, temp, conc) for (w, impl), s in up.items() for temp in temps for conc in concs
+                         if (w == "real" or temp == 0) and (impl != "ours_profiled" or conc in (1, 16))]
+                passes.update({cell[:2] + cell[3:]: [] for cell in cells})
+                load_start = load_start or time.time()
+                for rep in range(args.repeats):
+                    for w, impl, s, temp, conc in pass_order(cells):
+                        if args.time_budget is not None and time.time() - load_start > args.time_budget:
+                            print(f"[bench] time budget of {args.time_budget:g} s spent: pass {rep + 1} stops "
+                                  f"before {w} {impl} c={conc} T={temp}", flush=True)
+                            break
+                        r = bench_serving(s, target, dataset, conc, max(8, args.prompts_per_level * conc),
+                                          args.accept_all_output_len or args.output_len if w == "bound_accept_all"
+                                          else args.output_len, temp, out)
+                        tl_path = out / f"timeline_{w}.json"
+                        if impl == "ours" and tl_path.exists():  # this cell's share of the cumulative timeline
+                            snap = json.loads(tl_path.read_text())["timeline"]
+                            r["timeline"] = timeline_delta(timeline_seen.get(w, {}), snap)
+                            timeline_seen[w] = snap
+                        passes[(w, impl, temp, conc)].append(r)
+                        print(f"[bench] pass {rep + 1}/{args.repeats} {w:18s} {impl:14s} c={conc:3d} T={temp} -> "
+                              f"{r.get('output_throughput') or r.get('error', '')[:300]}", flush=True)
+                        results["runs"] = [median_row(rows, w, impl, temp, conc)
+                                           for (w, impl, temp, conc), rows in passes.items() if rows]
+                        (out / "results.json").write_text(json.dumps(results, indent=1))
+            finally:
+                for s in servers.values():
+                    s.stop()
     finally:
-        for s in servers.values():
-            s.stop()
         results["phases"] = {w: json.loads((out / f"phases_{w}.json").read_text())
                              for w in workloads if (out / f"phases_{w}.json").exists()}
         results["timeline"] = {w: json.loads((out / f"timeline_{w}.json").read_text())
@@ -504,7 +523,6 @@ def main():
         (out / "results.json").write_text(json.dumps(results, indent=1))
         plot(results, out / "throughput.png")
         print_table(results)
-
 
 METRICS = ("output_throughput", "mean_tpot_ms", "median_tpot_ms", "mean_ttft_ms", "accept_length", "duration")
 

@@ -129,6 +129,17 @@ def test_a_server_whose_port_was_taken_starts_again_on_another_port(monkeypatch,
     assert not s.wait(time.time() + 5) and s.port == 104 and "bad draft" in s.error
 
 
+def test_server_groups_share_the_real_no_spec_server_only_when_all_run_together():
+    wl, impls = ["real", "bound_accept_all", "bound_accept_none"], ["nospec", "ours"]
+    together = bench.server_groups(wl, impls, profile=False, serial=False)
+    assert together == [[("real", "nospec"), ("real", "ours"), ("bound_accept_all", "nospec"),
+                         ("bound_accept_all", "ours"), ("bound_accept_none", "ours")]]
+    serial = bench.server_groups(wl, impls, profile=True, serial=True)
+    assert serial == [[("real", "nospec"), ("real", "ours"), ("real", "ours_profiled")],
+                      [("bound_accept_all", "nospec"), ("bound_accept_all", "ours"), ("bound_accept_all", "ours_profiled")],
+                      [("bound_accept_none", "nospec"), ("bound_accept_none", "ours")]]
+
+
 def test_passes_run_the_lowest_concurrency_first():
     cells = [("real", "nospec", None, 0.0, 1), ("real", "nospec", None, 0.0, 64), ("real", "ours", None, 0.0, 16),
              ("real", "ours", None, 0.0, 1), ("bound_accept_all", "ours", None, 0.0, 4)]
