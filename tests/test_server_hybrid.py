@@ -9,7 +9,8 @@ float32 server; SGLang's default bfloat16 conv state makes a continuation part f
 (``SGLANG_DFLASH_TEST_ORACLE_DRAFT``, see ``harness/sitecustomize``), which makes the accepted drafts per step cycle
 through 0 .. B-1. The DFLASH server must reproduce every output token for token -- several prompts sent concurrently (verify steps over mixed batches), prompts longer than the prefill chunk
 (chunked prefill), and second turns that extend the first turns' conversations (radix-cache hits that restore the
-linear-attention state saved with a finished request) -- with every accept length occurring. The control: the same
+linear-attention state saved with a finished request) -- with every accept length occurring, and again while
+SGLang retracts running requests. The control: the same
 DFLASH server with the state committed after the whole verify block (``SGLANG_DFLASH_TEST_BROKEN_STATE_COMMIT``)
 must fail the same comparison.
 """
@@ -17,6 +18,7 @@ must fail the same comparison.
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -121,6 +123,19 @@ def test_hybrid_dflash_greedy_identical_with_every_accept_length(models, referen
         assert have == want, f"prompt of {len(prompt)} tokens: DFLASH {have} != the target's {want}"
     counts = accept_counts(metas)
     assert set(range(BLOCK_SIZE)) <= set(counts), f"accept lengths seen {dict(counts)}; want each of 0..{BLOCK_SIZE - 1}"
+
+
+def test_hybrid_dflash_greedy_identical_under_retraction(models, reference, tmp_path):
+    """SGLang retracts running requests every few forwards (``SGLANG_TEST_RETRACT``): a retracted request is
+    prefilled again later, its linear-attention state rebuilt from its tokens; the output must not change."""
+    target, draft, _ = models
+    ref, oracle = reference
+    got, _ = serve_conversations(target, dflash_args(draft), {"SGLANG_DFLASH_TEST_ORACLE_DRAFT": str(oracle),
+                                                                 "SGLANG_TEST_RETRACT": "1"},
+                                    log_path=tmp_path / "retract.log")
+    assert re.search(r"#retracted_reqs: [1-9]", (tmp_path / "retract.log").read_text()), "nothing was retracted"
+    for (prompt, want), (_, have) in zip(ref, got):
+        assert have == want, f"prompt of {len(prompt)} tokens: DFLASH {have} != the target's {want}"
 
 
 def test_broken_state_commit_fails_identity(models, reference, tmp_path):
