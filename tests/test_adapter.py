@@ -15,8 +15,29 @@ from sglang_dflash.config import DFlashDraftConfig
 from sglang_dflash.model import DFlashDraftModel, save_draft
 
 
-def test_sglang_0_5_17_matches_every_hooked_signature():
+def test_installed_sglang_matches_every_hooked_signature():
     assert hooks.check_sglang_compat() == []
+
+
+def test_version_gate_is_the_supported_range():
+    from sglang_dflash.adapter import compat
+
+    lo, hi = compat.SUPPORTED_RANGE
+    assert compat.version_problem(lo) is None and compat.version_problem(hi) is None
+    for outside in ("0.5.16", "0.5.24", "0.6.0", "unknown"):
+        problem = compat.version_problem(outside)
+        assert problem is not None and f"sglang=={outside}" in problem and f"{lo} to {hi}" in problem
+
+
+def test_flashinfer_plan_only_on_checked_versions(monkeypatch):
+    import importlib.metadata
+
+    from sglang_dflash.adapter import compat
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.6.15.post1")
+    assert compat.unchecked_flashinfer() is None
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.7.2")
+    assert "0.7.2" in compat.unchecked_flashinfer() and "0.6.15.post1" in compat.unchecked_flashinfer()
 
 
 def test_signature_mismatch_is_reported(monkeypatch):
@@ -461,7 +482,7 @@ def test_mismatched_sglang_refuses_dflash_only():
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "REFUSED: sglang-dflash supports SGLang 0.5.17 only" in out.stdout
+    assert "REFUSED: sglang-dflash supports SGLang 0.5.17 to 0.5.23" in out.stdout
     assert "sglang==9.9 installed" in out.stdout and "SGLANG_DFLASH_IMPL=builtin" in out.stdout
 
 
