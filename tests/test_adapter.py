@@ -127,10 +127,29 @@ def _args(draft, **overrides):
                 dp_size=1, enable_dp_attention=False, disaggregation_mode="null", page_size=1,
                 speculative_draft_window_size=None, attention_backend=None, speculative_eagle_topk=None,
                 speculative_num_steps=None, speculative_dflash_block_size=None, speculative_num_draft_tokens=None,
-                disable_overlap_schedule=False, enable_lora=None, lora_paths=None, device=None,
+                disable_overlap_schedule=False, enable_lora=None, lora_paths=None, device="cpu",
                 speculative_adaptive=False, speculative_adaptive_config=None)
     args.update(overrides)
     return SimpleNamespace(**args)
+
+
+def _resolved(args):
+    """What resolution decided for ``args`` (`compat.resolving`: declared fields on SGLang 0.5.20+)."""
+    from sglang_dflash.adapter import compat
+
+    return compat.resolving(args)
+
+
+def _gpu_refused(args) -> bool:
+    """On an SGLang whose paged verify attention takes a KV-location plan, DFLASH off the CPU is refused: assert so."""
+    from sglang_dflash.adapter import compat
+    from sglang_dflash.adapter.server_args import resolve_server_args
+
+    if not compat.VERIFY_ARGS_KEYWORD_PLAN or args.device == "cpu":
+        return False
+    with pytest.raises(ValueError, match="runs on CPU .*only"):
+        resolve_server_args(args)
+    return True
 
 
 @pytest.mark.parametrize("config, match", [
@@ -152,14 +171,17 @@ def test_speculative_adaptive_flag_is_taken_off(draft_dir):
 
     args = _args(draft_dir, speculative_adaptive=True)
     resolve_server_args(args)
-    assert args.speculative_adaptive is False
+    assert _resolved(args).speculative_adaptive is False
 
 
 def test_server_args_resolved_from_the_draft(draft_dir):
     from sglang_dflash.adapter.server_args import resolve_server_args
 
     args = _args(draft_dir, device="cuda")
+    if _gpu_refused(args):
+        return
     resolve_server_args(args)
+    args = _resolved(args)
     assert (args.speculative_num_draft_tokens, args.speculative_dflash_block_size) == (8, 8)
     assert (args.speculative_num_steps, args.speculative_eagle_topk) == (1, 1)
     assert args.disable_overlap_schedule is False  # SGLang's overlap schedule serves DFLASH on CUDA
@@ -172,11 +194,13 @@ def test_overlap_schedule_where_streams_exist(draft_dir, device, overlap):
     from sglang_dflash.adapter.server_args import resolve_server_args
 
     args = _args(draft_dir, device=device)
+    if _gpu_refused(args):
+        return
     resolve_server_args(args)
-    assert args.disable_overlap_schedule is (not overlap)
+    assert _resolved(args).disable_overlap_schedule is (not overlap)
     args = _args(draft_dir, device=device, disable_overlap_schedule=True)
     resolve_server_args(args)
-    assert args.disable_overlap_schedule is True
+    assert _resolved(args).disable_overlap_schedule is True
 
 
 @pytest.mark.parametrize("env, overlap", [(None, False), ("0", False), ("1", True)])
@@ -204,7 +228,7 @@ def test_data_parallel_replicas_are_accepted(draft_dir):
 
     args = _args(draft_dir, dp_size=2)
     resolve_server_args(args)
-    assert (args.dp_size, args.speculative_num_draft_tokens) == (2, 8)
+    assert (args.dp_size, _resolved(args).speculative_num_draft_tokens) == (2, 8)
 
 
 @pytest.mark.parametrize("tp, dp", [(2, 1), (2, 2), (4, 1)])
@@ -215,7 +239,7 @@ def test_tensor_parallel_sizes_that_divide_the_draft_are_accepted(draft_dir, tp,
 
     args = _args(draft_dir, tp_size=tp, dp_size=dp)
     resolve_server_args(args)
-    assert (args.tp_size, args.dp_size, args.speculative_num_draft_tokens) == (tp, dp, 8)
+    assert (args.tp_size, args.dp_size, _resolved(args).speculative_num_draft_tokens) == (tp, dp, 8)
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -16,6 +16,8 @@ it, the capabilities below pick each path:
   ``generate_attn_arg_prefill`` with keyword-only ``translator`` / ``plan`` / ``kind`` (no ``req_to_token``). Not
   served yet: DFLASH there runs on torch_native (CPU) only, other backends are refused at start-up
   (`server_args.resolve_server_args`).
+* `KV_INDICES_KERNEL_MOVED` (0.5.23): ``create_flashinfer_kv_indices_triton`` lives in
+  ``sglang.kernels.ops.attention.kv_indices``; imported from here.
 * `unchecked_flashinfer`: the step graphs' device-side FlashInfer plan (`kernels.attention_plan`) mirrors
   FlashInfer's private planning rule, checked on a GPU against `PLAN_CHECKED_FLASHINFER` only.
 * Hook targets that moved (`DEFAULT_ATTN_BACKEND`, `CPU_BACKENDS`, `FREE_KV_ALIGNED_PARAMS`).
@@ -24,6 +26,7 @@ it, the capabilities below pick each path:
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import inspect
 
 import sglang
@@ -41,6 +44,13 @@ WORKER_TAKES_PS = "ps" in inspect.signature(TpModelWorker.__init__).parameters
 KV_FIELDS_ON_REQ_KV = "kv_committed_len" in getattr(_schedule_batch.ReqKvInfo, "__dataclass_fields__", {})
 VERIFY_ARGS_KEYWORD_PLAN = "plan" in inspect.signature(
     _dflash_info.DFlashVerifyInput.generate_attn_arg_prefill).parameters
+
+# the Triton kernel that gathers a request's KV slots into FlashInfer's paged layout (moved in 0.5.23)
+KV_INDICES_KERNEL_MOVED = importlib.util.find_spec("sglang.kernels.ops.attention.kv_indices") is not None
+if KV_INDICES_KERNEL_MOVED:
+    from sglang.kernels.ops.attention.kv_indices import create_flashinfer_kv_indices_triton  # noqa: F401
+else:
+    from sglang.kernels.ops.attention.utils import create_flashinfer_kv_indices_triton  # noqa: F401
 
 # FlashInfer releases whose split-kv planning rule `kernels.attention_plan` was checked against on a GPU
 PLAN_CHECKED_FLASHINFER = ("0.6.15.post1",)
@@ -94,6 +104,22 @@ def resolve(server_args, **fields) -> None:
         return
     for name, value in fields.items():
         setattr(server_args, name, value)
+
+
+def published(server_args):
+    """The resolved server arguments after start-up (from 0.5.20 raw fields hold what the user typed)."""
+    if SERVER_ARGS_DECLARED:
+        return _overrides.resolved_view(server_args)
+    return server_args
+
+
+def model_config(server_args):
+    """The target's ModelConfig during start-up resolution."""
+    if SERVER_ARGS_DECLARED:
+        from sglang.srt.arg_groups.model_override_base import model_config_of
+
+        return model_config_of(server_args)
+    return server_args.get_model_config()
 
 
 # ---- workers -----------------------------------------------------------------------------------------------

@@ -17,12 +17,11 @@ from typing import List, Optional
 
 import torch
 
-from sglang.kernels.ops.attention.utils import create_flashinfer_kv_indices_triton
 from sglang.srt.mem_cache.allocation import alloc_token_slots
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.speculative.spec_info import SpecInput, SpecInputType
 
-from sglang_dflash.adapter.compat import committed_len, req_pool_idx
+from sglang_dflash.adapter.compat import committed_len, create_flashinfer_kv_indices_triton, req_pool_idx
 
 
 @dataclass

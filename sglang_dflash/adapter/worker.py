@@ -44,14 +44,15 @@ logger = logging.getLogger(__name__)
 
 class DFlashWorker(BaseSpecWorker):
     def __init__(self, server_args, gpu_id, nccl_port, target_worker: TpModelWorker, ps=None):
+        args = compat.published(server_args)  # resolved values (`compat.published`)
         super().__init__()
         self._target_worker = target_worker
         self.target_runner = target_worker.model_runner
         self.device = target_worker.device
-        self.block_size = int(server_args.speculative_num_draft_tokens)
+        self.block_size = int(args.speculative_num_draft_tokens)
 
-        self.dcfg = DFlashDraftConfig.from_pretrained(server_args.speculative_draft_model_path,
-                                                      server_args.speculative_draft_model_revision)
+        self.dcfg = DFlashDraftConfig.from_pretrained(args.speculative_draft_model_path,
+                                                      args.speculative_draft_model_revision)
         self.dcfg.validate_target(self.target_runner.model_config.hf_config)
         target = self.target_runner.model
         hybrid.add_dflash_capture(target)
@@ -75,7 +76,7 @@ class DFlashWorker(BaseSpecWorker):
         self.vocab_group = self.tp_group if vocab_split else None
         self.mask_token_id = int(self.dcfg.mask_token_id)
 
-        self.backend = server_args.attention_backend or "flashinfer"
+        self.backend = args.attention_backend or "flashinfer"
         # FlashInfer's TARGET_VERIFY reads `seq_lens` as the committed prefix (the block is added by
         # `generate_attn_arg_prefill`); torch_native reads it as the full KV length and needs extend lens.
         self.paged_verify = self.backend != "torch_native"
@@ -87,7 +88,7 @@ class DFlashWorker(BaseSpecWorker):
                         "trims each request's keys to its window plus the block: at contexts longer than the window "
                         "a block query may see up to block_size keys past z-lab's window (torch_native: exact)")
         self.sampler = BlockSampler(self.device)
-        adaptive = AdaptiveConfig.parse(server_args.speculative_adaptive_config, self.block_size)
+        adaptive = AdaptiveConfig.parse(args.speculative_adaptive_config, self.block_size)
         self.widths = StepWidths(adaptive, self.block_size, self.device, self.tp_group)
         self.step_graphs: StepGraphs | None = None  # the whole step as CUDA graphs (init_cuda_graphs, FlashInfer)
         self._models: StepModels | None = None
