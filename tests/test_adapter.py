@@ -733,7 +733,14 @@ def test_prepare_for_decode_reserves_two_blocks_past_the_committed_length(monkey
     B = 4
     # (req_pool_idx, committed, allocated): needs 7, 0 (already 2 blocks ahead) and 3 more slots
     specs = [(2, 5, 6), (0, 3, 20), (1, 9, 14)]
-    reqs = [SimpleNamespace(req_pool_idx=i, kv_committed_len=c, kv=SimpleNamespace(kv_allocated_len=a))
+    from sglang_dflash.adapter import compat
+
+    def req(i, c, a):  # a request's KV fields where this SGLang keeps them (`compat.KV_FIELDS_ON_REQ_KV`)
+        if compat.KV_FIELDS_ON_REQ_KV:
+            return SimpleNamespace(kv=SimpleNamespace(req_pool_idx=i, kv_committed_len=c, kv_allocated_len=a))
+        return SimpleNamespace(req_pool_idx=i, kv_committed_len=c, kv=SimpleNamespace(kv_allocated_len=a))
+
+    reqs = [req(i, c, a)
             for i, c, a in specs]
     req_to_token = torch.full((3, 32), -1, dtype=torch.int32)
     batch = SimpleNamespace(reqs=reqs, batch_size=lambda: 3, tree_cache=None,
