@@ -15,8 +15,29 @@ from sglang_dflash.config import DFlashDraftConfig
 from sglang_dflash.model import DFlashDraftModel, save_draft
 
 
-def test_sglang_0_5_17_matches_every_hooked_signature():
+def test_installed_sglang_matches_every_hooked_signature():
     assert hooks.check_sglang_compat() == []
+
+
+def test_version_gate_is_the_supported_range():
+    from sglang_dflash.adapter import compat
+
+    lo, hi = compat.SUPPORTED_RANGE
+    assert compat.version_problem(lo) is None and compat.version_problem(hi) is None
+    for outside in ("0.5.16", "0.5.24", "0.6.0", "unknown"):
+        problem = compat.version_problem(outside)
+        assert problem is not None and f"sglang=={outside}" in problem and f"{lo} to {hi}" in problem
+
+
+def test_flashinfer_plan_only_on_checked_versions(monkeypatch):
+    import importlib.metadata
+
+    from sglang_dflash.adapter import compat
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.6.15.post1")
+    assert compat.unchecked_flashinfer() is None
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.7.2")
+    assert "0.7.2" in compat.unchecked_flashinfer() and "0.6.15.post1" in compat.unchecked_flashinfer()
 
 
 def test_signature_mismatch_is_reported(monkeypatch):
@@ -106,10 +127,29 @@ def _args(draft, **overrides):
                 dp_size=1, enable_dp_attention=False, disaggregation_mode="null", page_size=1,
                 speculative_draft_window_size=None, attention_backend=None, speculative_eagle_topk=None,
                 speculative_num_steps=None, speculative_dflash_block_size=None, speculative_num_draft_tokens=None,
-                disable_overlap_schedule=False, enable_lora=None, lora_paths=None, device=None,
+                disable_overlap_schedule=False, enable_lora=None, lora_paths=None, device="cpu",
                 speculative_adaptive=False, speculative_adaptive_config=None)
     args.update(overrides)
     return SimpleNamespace(**args)
+
+
+def _resolved(args):
+    """What resolution decided for ``args`` (`compat.resolving`: declared fields on SGLang 0.5.20+)."""
+    from sglang_dflash.adapter import compat
+
+    return compat.resolving(args)
+
+
+def _gpu_refused(args) -> bool:
+    """On an SGLang whose paged verify attention takes a KV-location plan, DFLASH off the CPU is refused: assert so."""
+    from sglang_dflash.adapter import compat
+    from sglang_dflash.adapter.server_args import resolve_server_args
+
+    if not compat.VERIFY_ARGS_KEYWORD_PLAN or args.device == "cpu":
+        return False
+    with pytest.raises(ValueError, match="runs on CPU .*only"):
+        resolve_server_args(args)
+    return True
 
 
 @pytest.mark.parametrize("config, match", [
@@ -131,14 +171,17 @@ def test_speculative_adaptive_flag_is_taken_off(draft_dir):
 
     args = _args(draft_dir, speculative_adaptive=True)
     resolve_server_args(args)
-    assert args.speculative_adaptive is False
+    assert _resolved(args).speculative_adaptive is False
 
 
 def test_server_args_resolved_from_the_draft(draft_dir):
     from sglang_dflash.adapter.server_args import resolve_server_args
 
     args = _args(draft_dir, device="cuda")
+    if _gpu_refused(args):
+        return
     resolve_server_args(args)
+    args = _resolved(args)
     assert (args.speculative_num_draft_tokens, args.speculative_dflash_block_size) == (8, 8)
     assert (args.speculative_num_steps, args.speculative_eagle_topk) == (1, 1)
     assert args.disable_overlap_schedule is False  # SGLang's overlap schedule serves DFLASH on CUDA
@@ -151,11 +194,13 @@ def test_overlap_schedule_where_streams_exist(draft_dir, device, overlap):
     from sglang_dflash.adapter.server_args import resolve_server_args
 
     args = _args(draft_dir, device=device)
+    if _gpu_refused(args):
+        return
     resolve_server_args(args)
-    assert args.disable_overlap_schedule is (not overlap)
+    assert _resolved(args).disable_overlap_schedule is (not overlap)
     args = _args(draft_dir, device=device, disable_overlap_schedule=True)
     resolve_server_args(args)
-    assert args.disable_overlap_schedule is True
+    assert _resolved(args).disable_overlap_schedule is True
 
 
 @pytest.mark.parametrize("env, overlap", [(None, False), ("0", False), ("1", True)])
@@ -183,7 +228,7 @@ def test_data_parallel_replicas_are_accepted(draft_dir):
 
     args = _args(draft_dir, dp_size=2)
     resolve_server_args(args)
-    assert (args.dp_size, args.speculative_num_draft_tokens) == (2, 8)
+    assert (args.dp_size, _resolved(args).speculative_num_draft_tokens) == (2, 8)
 
 
 @pytest.mark.parametrize("tp, dp", [(2, 1), (2, 2), (4, 1)])
@@ -194,7 +239,7 @@ def test_tensor_parallel_sizes_that_divide_the_draft_are_accepted(draft_dir, tp,
 
     args = _args(draft_dir, tp_size=tp, dp_size=dp)
     resolve_server_args(args)
-    assert (args.tp_size, args.dp_size, args.speculative_num_draft_tokens) == (tp, dp, 8)
+    assert (args.tp_size, args.dp_size, _resolved(args).speculative_num_draft_tokens) == (tp, dp, 8)
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -461,7 +506,7 @@ def test_mismatched_sglang_refuses_dflash_only():
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "REFUSED: sglang-dflash supports SGLang 0.5.17 only" in out.stdout
+    assert "REFUSED: sglang-dflash supports SGLang 0.5.17 to 0.5.23" in out.stdout
     assert "sglang==9.9 installed" in out.stdout and "SGLANG_DFLASH_IMPL=builtin" in out.stdout
 
 
@@ -688,7 +733,14 @@ def test_prepare_for_decode_reserves_two_blocks_past_the_committed_length(monkey
     B = 4
     # (req_pool_idx, committed, allocated): needs 7, 0 (already 2 blocks ahead) and 3 more slots
     specs = [(2, 5, 6), (0, 3, 20), (1, 9, 14)]
-    reqs = [SimpleNamespace(req_pool_idx=i, kv_committed_len=c, kv=SimpleNamespace(kv_allocated_len=a))
+    from sglang_dflash.adapter import compat
+
+    def req(i, c, a):  # a request's KV fields where this SGLang keeps them (`compat.KV_FIELDS_ON_REQ_KV`)
+        if compat.KV_FIELDS_ON_REQ_KV:
+            return SimpleNamespace(kv=SimpleNamespace(req_pool_idx=i, kv_committed_len=c, kv_allocated_len=a))
+        return SimpleNamespace(req_pool_idx=i, kv_committed_len=c, kv=SimpleNamespace(kv_allocated_len=a))
+
+    reqs = [req(i, c, a)
             for i, c, a in specs]
     req_to_token = torch.full((3, 32), -1, dtype=torch.int32)
     batch = SimpleNamespace(reqs=reqs, batch_size=lambda: 3, tree_cache=None,

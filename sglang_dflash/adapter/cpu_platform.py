@@ -179,10 +179,10 @@ def register_sgl_kernel_cpu_ops(ops: dict | None = None) -> None:
 
 
 def register_hooks() -> None:
-    """Hooks 3-7 of the module docstring (:data:`HOOKS`)."""
+    """Hooks 3-7 of the module docstring (:func:`hooks`)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    for target, (hook, _params) in HOOKS.items():
+    for target, (hook, _params) in hooks().items():
         HookRegistry.register(target, hook, HookType.AROUND)
 
 
@@ -190,29 +190,32 @@ def _cpu_attention_backend(original, server_args) -> None:
     """SGLang's CPU default (intel_amx on x86) where it runs, else torch_native (logged): on a CPU without intel_amx
     support, and for DFLASH served by sglang-dflash (`server_args.default_attention_backend`). An explicit backend
     that cannot run on CPU is refused."""
-    chosen = server_args.attention_backend
+    from sglang_dflash.adapter import compat
+
+    chosen = compat.resolving(server_args).attention_backend
     original(server_args)
-    if server_args.device != "cpu":
+    view = compat.resolving(server_args)
+    if view.device != "cpu":
         return
-    _cpu_tensor_parallel(server_args)
-    conv_state_dtype(server_args)
+    _cpu_tensor_parallel(view)
+    conv_state_dtype(view)
     if chosen is not None:
         check_cpu_attention_backend(chosen)
         return
-    if server_args.attention_backend != "intel_amx":
+    if view.attention_backend != "intel_amx":
         return
     from sglang.srt.utils.common import cpu_has_amx_support
 
     from sglang_dflash.adapter.hooks import _ours_by_args
     from sglang_dflash.adapter.server_args import default_attention_backend
 
-    if _ours_by_args(server_args):
-        backend, why = default_attention_backend(server_args, "intel_amx"), "DFLASH served by sglang-dflash"
+    if _ours_by_args(view):
+        backend, why = default_attention_backend(view, "intel_amx"), "DFLASH served by sglang-dflash"
     elif not cpu_has_amx_support():
         backend, why = "torch_native", "no intel_amx support here: it needs AMX tiles and sgl-kernel's CPU build"
     else:
         return
-    server_args.attention_backend = backend
+    compat.resolve(server_args, attention_backend=backend)
     logger.info("sglang-dflash: CPU attention backend %s, not SGLang's default intel_amx (%s); --attention-backend "
                 "chooses another.", backend, why)
 
@@ -351,10 +354,15 @@ def _grammar_mask_static(original, logits, vocab_mask) -> None:
     _mask_logits(original, logits, vocab_mask)
 
 
-# dotted path -> (hook, parameter names of the hooked SGLang function; checked with the plugin's other hooks in
-# `hooks.EXPECTED_SIGNATURES`)
-HOOKS = {
-    "sglang.srt.server_args.ServerArgs._handle_cpu_backends": (_cpu_attention_backend, ["self"]),
+def hooks() -> dict:
+    """dotted path -> (hook, parameter names of the hooked SGLang function; checked with the plugin's other hooks in
+    `hooks.EXPECTED_SIGNATURES`)."""
+    from sglang_dflash.adapter import compat
+
+    return {compat.CPU_BACKENDS[0]: (_cpu_attention_backend, compat.CPU_BACKENDS[1]), **_HOOKS}
+
+
+_HOOKS = {
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes": (
         _cpu_kv_budget, ["self", "pre_model_load_memory"]),
     "sglang.srt.constrained.xgrammar_backend._allocate_token_bitmask": (

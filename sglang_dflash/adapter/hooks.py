@@ -1,9 +1,10 @@
 """Route `--speculative-algorithm DFLASH` to sglang-dflash through SGLang's hook registry.
 
 `SGLANG_DFLASH_IMPL` selects the implementation: `sglang_dflash` (default) or
-`builtin` (SGLang's own DFLASH, kept selectable for comparison). Every SGLang symbol
-we hook is checked against the signature we were written for; on a mismatch DFLASH
-is refused with an error naming the supported SGLang version instead of half-working.
+`builtin` (SGLang's own DFLASH, kept selectable for comparison). The installed SGLang
+must be in `compat.SUPPORTED_RANGE`, and every SGLang symbol we hook is checked against
+the signature `compat` expects of it; otherwise DFLASH is refused with an error naming
+the supported range instead of half-working.
 """
 
 from __future__ import annotations
@@ -13,11 +14,10 @@ import inspect
 import logging
 import os
 
-from sglang_dflash.adapter import cpu_platform
+from sglang_dflash.adapter import compat, cpu_platform
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_SGLANG = "0.5.17"
 IMPL_ENV = "SGLANG_DFLASH_IMPL"
 IMPLS = ("sglang_dflash", "builtin")
 
@@ -25,22 +25,21 @@ IMPLS = ("sglang_dflash", "builtin")
 EXPECTED_SIGNATURES = {
     "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.create_worker": ["self", "server_args"],
     "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.handle_server_args": ["self", "server_args"],
-    "sglang.srt.managers.tp_worker.TpModelWorker.__init__": [
-        "self", "server_args", "gpu_id", "ps", "nccl_port", "is_draft_worker"],
+    "sglang.srt.managers.tp_worker.TpModelWorker.__init__": compat.WORKER_PARAMS,
     "sglang.srt.mem_cache.allocation.alloc_token_slots": ["tree_cache", "num_tokens"],
-    "sglang.srt.speculative.draft_worker_common.draft_server_args_overrides": [
-        "target_model_config", "draft_backend"],
+    "sglang.srt.speculative.draft_worker_common.build_draft_tp_worker": [
+        "server_args", "gpu_id", "nccl_port", "target_model_config", "algo_label", "attention_backend_override"],
     "sglang.srt.model_executor.model_runner.ModelRunner.forward": ["self", "forward_batch"],
     "sglang.srt.speculative.dflash_utils.validate_dflash_request": ["req", "enable_overlap"],
     "sglang.srt.arg_groups.speculative_hook.handle_speculative_decoding": ["server_args"],
-    "sglang.srt.server_args.ServerArgs._get_default_attn_backend": ["self", "use_mla_backend", "model_config"],
+    compat.DEFAULT_ATTN_BACKEND[0]: compat.DEFAULT_ATTN_BACKEND[1],
     "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation": [
         "self", "batch", "forward_batch", "pp_proxy_tensors", "is_verify", "skip_attn_backend_init",
         "capture_hidden_mode"],
     "sglang.srt.managers.scheduler.Scheduler.is_disable_overlap_for_batch": ["self", "batch", "last_batch"],
     "sglang.srt.session.session_controller.Session._concat_token_arrays": ["last_req", "req", "session_params"],
     "sglang.srt.session.streaming_session.StreamingSession._trim_overshoot": ["self", "req", "finished_len"],
-    "sglang.srt.session.streaming_session.StreamingSession._free_kv_aligned": ["self", "pool_idx", "target", "end"],
+    "sglang.srt.session.streaming_session.StreamingSession._free_kv_aligned": compat.FREE_KV_ALIGNED_PARAMS,
     # used (not hooked) by the worker's constrained decoding
     "sglang.srt.speculative.spec_utils.build_grammar_vocab_mask": ["reqs", "tree", "sampling_info", "device", "barrier"],
     "sglang.srt.speculative.spec_utils.GrammarTree.from_linear_chain": ["verify_ids_2d"],
@@ -48,7 +47,7 @@ EXPECTED_SIGNATURES = {
     "sglang.srt.layers.attention.flashinfer_backend.FlashInferAttnBackend.init_forward_metadata_out_graph": [
         "self", "forward_batch", "in_capture"],
     # the CPU set-up's hooks
-    **{target: params for target, (_hook, params) in cpu_platform.HOOKS.items()},
+    **{target: params for target, (_hook, params) in cpu_platform.hooks().items()},
 }
 
 
@@ -66,9 +65,9 @@ def check_sglang_compat() -> list[str]:
     import sglang
 
     problems = []
-    version = getattr(sglang, "__version__", "unknown")
-    if version != SUPPORTED_SGLANG:
-        problems.append(f"sglang=={version} installed")
+    version = compat.version_problem(getattr(sglang, "__version__", "unknown"))
+    if version:
+        problems.append(version)
     for path, expected in EXPECTED_SIGNATURES.items():
         try:
             obj = pkgutil.resolve_name(path)
@@ -82,16 +81,16 @@ def check_sglang_compat() -> list[str]:
 
 
 def install() -> bool:
-    """Register the DFLASH hooks; False (DFLASH refused, logged) where this SGLang is not the supported one."""
+    """Register the DFLASH hooks; False (DFLASH refused, logged) where this SGLang is not one of the supported."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     impl = selected_impl()
     problems = check_sglang_compat()
     if problems:
+        lo, hi = compat.SUPPORTED_RANGE
         message = (
-            f"sglang-dflash supports SGLang {SUPPORTED_SGLANG} only; this SGLang differs: "
-            + "; ".join(problems)
-            + f". Install sglang=={SUPPORTED_SGLANG}, or set {IMPL_ENV}=builtin to use SGLang's own DFLASH."
+            f"sglang-dflash supports SGLang {lo} to {hi}; this SGLang differs: " + "; ".join(problems)
+            + f". Install 'sglang>={lo},<={hi}', or set {IMPL_ENV}=builtin to use SGLang's own DFLASH."
         )
 
         def refuse(original, cls, name):
@@ -108,9 +107,7 @@ def install() -> bool:
     HookRegistry.register(
         "sglang.srt.arg_groups.speculative_hook.handle_speculative_decoding", _check_draft_first, HookType.BEFORE
     )
-    HookRegistry.register(
-        "sglang.srt.server_args.ServerArgs._get_default_attn_backend", _default_attn_backend, HookType.AROUND
-    )
+    HookRegistry.register(compat.DEFAULT_ATTN_BACKEND[0], _default_attn_backend, HookType.AROUND)
     HookRegistry.register(
         "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.handle_server_args",
         _handle_server_args, HookType.AROUND,
@@ -229,11 +226,7 @@ def _streaming_session_keeps_computed_kv(original, cache, req, finished_len):
     no-spec turn leaves it."""
     original(cache, req, finished_len)
     if finished_len > 0 and _serving_dflash():
-        keep = len(req.origin_input_ids) + finished_len - 1
-        cache._free_kv_aligned(req.req_pool_idx, keep, req.kv.kv_allocated_len)
-        req.kv.kv_allocated_len = min(req.kv.kv_allocated_len, keep)
-        req.kv_committed_len = min(req.kv_committed_len, keep)
-        req.kv.swa_evicted_seqlen = min(req.kv.swa_evicted_seqlen, keep)
+        compat.truncate_kv(cache, req, len(req.origin_input_ids) + finished_len - 1)
 
 
 # Requests whose logits the verify step cannot reproduce are refused up front (with the reason) rather than

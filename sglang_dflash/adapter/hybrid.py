@@ -36,20 +36,23 @@ def target_state_config(model_config):
     return mambaish_config(model_config)
 
 
-def resolve_server_args(server_args) -> None:
+def resolve_server_args(raw_args) -> None:
     """Launcher-side settings for a hybrid target (nothing for others): ``max_running_requests``; a radix-cache
     strategy this worker cannot serve is refused naming it and the fix (`check_state_strategy`)."""
-    if target_state_config(server_args.get_model_config()) is None:
+    from sglang_dflash.adapter import compat
+
+    server_args = compat.resolving(raw_args)
+    if target_state_config(compat.model_config(server_args)) is None:
         return
     from sglang.srt.arg_groups.overrides import resolved_view
 
-    arch = server_args.get_model_config().hf_config.architectures[0]
+    arch = compat.model_config(server_args).hf_config.architectures[0]
     if server_args.max_running_requests is None:
-        server_args.max_running_requests = DEFAULT_MAX_RUNNING_REQUESTS
+        compat.resolve(raw_args, max_running_requests=DEFAULT_MAX_RUNNING_REQUESTS)
         logger.info("sglang-dflash: hybrid target %s: --max-running-requests %d (SGLang sizes the linear-attention "
                     "state pool, with one verify block of scratch per request, from it); pass the flag to choose.",
                     arch, DEFAULT_MAX_RUNNING_REQUESTS)
-    check_state_strategy(resolved_view(server_args), arch)
+    check_state_strategy(resolved_view(raw_args), arch)
 
 
 def check_state_strategy(server_args, arch: str) -> None:

@@ -9,13 +9,13 @@ def register() -> None:
     """Called by SGLang in the launcher and in every scheduler process: the CPU set-up where SGLang serves on the
     CPU (`cpu_platform`, and `cpu_linear_attn` for hybrid models; for every server), then the DFLASH hooks."""
     from sglang_dflash.adapter import cpu_linear_attn, cpu_platform
-    from sglang_dflash.adapter.hooks import install
 
     if not getattr(sys.excepthook, "one_line_errors", False):
         sys.excepthook = one_line_errors(sys.excepthook)
     on_cpu = cpu_platform.setup()
     if on_cpu:
         cpu_linear_attn.register_ops()
+    from sglang_dflash.adapter.hooks import install  # after the CPU set-up: it imports SGLang's workers (`compat`)
     if install() and on_cpu:
         cpu_platform.register_hooks()
         cpu_linear_attn.register_hooks()

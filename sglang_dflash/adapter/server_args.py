@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from sglang_dflash.adapter import compat
 from sglang_dflash.adapter.tp import check_draft_divides
 from sglang_dflash.config import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, DFlashConfigError, DFlashDraftConfig
 from sglang_dflash.policy import AdaptiveConfig, PolicyConfigError
@@ -11,6 +12,14 @@ from sglang_dflash.policy import AdaptiveConfig, PolicyConfigError
 logger = logging.getLogger(__name__)
 
 _SUPPORTED_BACKENDS = ("flashinfer", "triton", "torch_native")
+# SGLang features that DFLASH served by sglang-dflash does not implement (field, flag; refused when set; a field this
+# SGLang lacks is skipped)
+_UNSERVED_FEATURES = (
+    ("enable_unified_memory", "--enable-unified-memory"),
+    ("speculative_use_block_verification", "--speculative-use-block-verification"),
+    ("speculative_draft_sink_size", "--speculative-draft-sink-size"),
+    ("speculative_draft_kv_cache_dtype", "--speculative-draft-kv-cache-dtype"),
+)
 
 
 def _fail(problem: str, fix: str):
@@ -42,8 +51,10 @@ def default_attention_backend(server_args, sglang_default: str) -> str:
     return "flashinfer" if is_flashinfer_available() and not is_hip() else "triton"
 
 
-def resolve_server_args(server_args) -> None:
-    """Validate flags and the draft checkpoint; fix block size, steps and scheduling mode."""
+def resolve_server_args(raw_args) -> None:
+    """Validate flags and the draft checkpoint; fix block size, steps and scheduling mode (``raw_args``: the
+    ServerArgs being resolved; read through `compat.resolving`, written through `compat.resolve`)."""
+    server_args = compat.resolving(raw_args)
     dcfg = load_draft_config(server_args)
 
     if server_args.pp_size != 1:
@@ -64,9 +75,16 @@ def resolve_server_args(server_args) -> None:
     if server_args.enable_lora or server_args.lora_paths:
         _fail("LoRA adapters (--enable-lora / --lora-paths) are not applied by the DFLASH verify forward",
               "Serve LoRA adapters without --speculative-algorithm DFLASH.")
+    for field, flag in _UNSERVED_FEATURES:
+        if getattr(server_args, field, None) not in (None, False):
+            _fail(f"{flag} is not supported by DFLASH served by sglang-dflash", f"Remove {flag}.")
     backend = server_args.attention_backend
     if backend is not None and backend not in _SUPPORTED_BACKENDS:
         _fail(f"--attention-backend {backend} is not supported", f"Use one of {_SUPPORTED_BACKENDS}.")
+    if compat.VERIFY_ARGS_KEYWORD_PLAN and not _on_cpu(server_args):
+        _fail("on this SGLang (its paged verify attention takes a KV-location plan) DFLASH served by sglang-dflash "
+              "runs on CPU (torch_native) only", "Serve on a GPU with sglang==0.5.17, or set SGLANG_DFLASH_IMPL=builtin "
+              "for SGLang's own DFLASH.")
     if server_args.speculative_eagle_topk not in (None, 1) or server_args.speculative_num_steps not in (None, 1):
         _fail("DFLASH verifies one linear block: --speculative-eagle-topk/--speculative-num-steps must be 1",
               "Remove those flags.")
@@ -82,7 +100,7 @@ def resolve_server_args(server_args) -> None:
     if server_args.speculative_adaptive:
         logger.info("sglang-dflash: --speculative-adaptive is SGLang's EAGLE switch; DFLASH served by sglang-dflash "
                     "chooses its verify width per step unless --speculative-adaptive-config says otherwise")
-        server_args.speculative_adaptive = False
+        compat.resolve(raw_args, speculative_adaptive=False)
     try:
         adaptive = AdaptiveConfig.parse(server_args.speculative_adaptive_config, block)
     except PolicyConfigError as e:
@@ -93,14 +111,12 @@ def resolve_server_args(server_args) -> None:
         logger.warning("sglang-dflash: block size %d exceeds the %d the draft was trained with.", block,
                        dcfg.block_size)
 
-    server_args.speculative_num_steps = 1
-    server_args.speculative_eagle_topk = 1
-    server_args.speculative_num_draft_tokens = block
-    server_args.speculative_dflash_block_size = block
+    compat.resolve(raw_args, speculative_num_steps=1, speculative_eagle_topk=1, speculative_num_draft_tokens=block,
+                   speculative_dflash_block_size=block)
     if not server_args.disable_overlap_schedule and not overlap_supported(server_args):
         logger.info("sglang-dflash: SGLang's overlap schedule needs CUDA streams; DFLASH on %s runs the synchronous "
                     "scheduler.", server_args.device)
-        server_args.disable_overlap_schedule = True
+        compat.resolve(raw_args, disable_overlap_schedule=True)
 
 
 def overlap_supported(server_args) -> bool:

@@ -17,10 +17,11 @@ from typing import List, Optional
 
 import torch
 
-from sglang.kernels.ops.attention.utils import create_flashinfer_kv_indices_triton
 from sglang.srt.mem_cache.allocation import alloc_token_slots
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.speculative.spec_info import SpecInput, SpecInputType
+
+from sglang_dflash.adapter.compat import committed_len, create_flashinfer_kv_indices_triton, req_pool_idx
 
 
 @dataclass
@@ -54,7 +55,7 @@ class DFlashDraftState(SpecInput):
         if bs == 0:
             return
         row_width = batch.req_to_token_pool.req_to_token.shape[1]
-        committed = [int(r.kv_committed_len) for r in batch.reqs]
+        committed = [int(committed_len(r)) for r in batch.reqs]
         allocated = [int(r.kv.kv_allocated_len) for r in batch.reqs]
         reserved = [max(a, min(c + 2 * self.block_size, row_width)) for a, c in zip(allocated, committed)]
         need = torch.tensor([n - a for n, a in zip(reserved, allocated)])
@@ -63,7 +64,7 @@ class DFlashDraftState(SpecInput):
             slots = alloc_token_slots(batch.tree_cache, total)
             # rows/cols of req_to_token[req_pool_idx, allocated : reserved] for every request, built on the host
             # from the requests' own indices (no device read) in a few vectorized ops
-            rows = torch.repeat_interleave(torch.tensor([r.req_pool_idx for r in batch.reqs]), need)
+            rows = torch.repeat_interleave(torch.tensor([req_pool_idx(r) for r in batch.reqs]), need)
             first = torch.repeat_interleave(torch.cumsum(need, 0) - need, need)
             cols = torch.repeat_interleave(torch.tensor(allocated), need) + torch.arange(total) - first
             req_to_token = batch.req_to_token_pool.req_to_token

@@ -13,7 +13,6 @@ the previous step's result is applied (`sampling.reads_output_history`, `hooks`)
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 
@@ -24,11 +23,10 @@ from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.models.registry import ModelRegistry
-from sglang.srt.runtime_context import get_context
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
-from sglang.srt.speculative.draft_worker_common import draft_server_args_overrides
+from sglang.srt.speculative.draft_worker_common import build_draft_tp_worker
 
-from sglang_dflash.adapter import cpu_attention, hybrid, profiling
+from sglang_dflash.adapter import compat, cpu_attention, hybrid, profiling
 from sglang_dflash.adapter.draft_model import SGLangDFlashDraft
 from sglang_dflash.adapter.sampling import BlockSampler, plain_greedy
 from sglang_dflash.adapter.spec_inputs import DFlashDraftState
@@ -45,15 +43,16 @@ logger = logging.getLogger(__name__)
 
 
 class DFlashWorker(BaseSpecWorker):
-    def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker: TpModelWorker):
+    def __init__(self, server_args, gpu_id, nccl_port, target_worker: TpModelWorker, ps=None):
+        args = compat.published(server_args)  # resolved values (`compat.published`)
         super().__init__()
         self._target_worker = target_worker
         self.target_runner = target_worker.model_runner
         self.device = target_worker.device
-        self.block_size = int(server_args.speculative_num_draft_tokens)
+        self.block_size = int(args.speculative_num_draft_tokens)
 
-        self.dcfg = DFlashDraftConfig.from_pretrained(server_args.speculative_draft_model_path,
-                                                      server_args.speculative_draft_model_revision)
+        self.dcfg = DFlashDraftConfig.from_pretrained(args.speculative_draft_model_path,
+                                                      args.speculative_draft_model_revision)
         self.dcfg.validate_target(self.target_runner.model_config.hf_config)
         target = self.target_runner.model
         hybrid.add_dflash_capture(target)
@@ -77,7 +76,7 @@ class DFlashWorker(BaseSpecWorker):
         self.vocab_group = self.tp_group if vocab_split else None
         self.mask_token_id = int(self.dcfg.mask_token_id)
 
-        self.backend = server_args.attention_backend or "flashinfer"
+        self.backend = args.attention_backend or "flashinfer"
         # FlashInfer's TARGET_VERIFY reads `seq_lens` as the committed prefix (the block is added by
         # `generate_attn_arg_prefill`); torch_native reads it as the full KV length and needs extend lens.
         self.paged_verify = self.backend != "torch_native"
@@ -89,9 +88,9 @@ class DFlashWorker(BaseSpecWorker):
                         "trims each request's keys to its window plus the block: at contexts longer than the window "
                         "a block query may see up to block_size keys past z-lab's window (torch_native: exact)")
         self.sampler = BlockSampler(self.device)
-        adaptive = AdaptiveConfig.parse(server_args.speculative_adaptive_config, self.block_size)
+        adaptive = AdaptiveConfig.parse(args.speculative_adaptive_config, self.block_size)
         self.widths = StepWidths(adaptive, self.block_size, self.device, self.tp_group,
-                                 overlap=not server_args.disable_overlap_schedule)
+                                 overlap=not args.disable_overlap_schedule)
         self.step_graphs: StepGraphs | None = None  # the whole step as CUDA graphs (init_cuda_graphs, FlashInfer)
         self._models: StepModels | None = None
         self.state_commit: hybrid.StateCommit | None = None  # hybrid targets (init_attention_backends)
@@ -118,19 +117,13 @@ class DFlashWorker(BaseSpecWorker):
         return self._models
 
     def _build_draft_worker(self, server_args, gpu_id, ps, nccl_port) -> TpModelWorker:
-        """A draft TpModelWorker whose model class is ours and whose KV pool shares slots."""
+        """A draft TpModelWorker (SGLang's draft-worker builder) whose model class is ours and whose KV pool shares
+        slots."""
         ModelRegistry.models["DFlashDraftModel"] = SGLangDFlashDraft
-        draft_args = copy.deepcopy(server_args)
-        draft_args.override(
-            "sglang_dflash.draft_worker",
-            **draft_server_args_overrides(self.target_runner.model_config, self.backend),
-        )
-        with get_context().preserve_config():
-            get_context().set_server_args(draft_args)
-            worker = TpModelWorker(server_args=draft_args, gpu_id=gpu_id, ps=ps, nccl_port=nccl_port,
-                                   is_draft_worker=True)
-        worker.draft_runner = worker.model_runner  # read by SGLang's KV-pool builders
-        return worker
+        return build_draft_tp_worker(
+            server_args=server_args, gpu_id=gpu_id, nccl_port=nccl_port, **compat.worker_ps(ps),
+            target_model_config=self.target_runner.model_config, algo_label="DFLASH",
+            attention_backend_override=self.backend).draft_worker
 
     # ---- SGLang worker plumbing -------------------------------------------------------
     def init_attention_backends(self):
@@ -158,6 +151,10 @@ class DFlashWorker(BaseSpecWorker):
                                                    and r.attn_backend.prefill_backend == "fa2" for r in runners):
             logger.info("sglang-dflash: the decode step runs eagerly (its CUDA graph needs FlashInfer's fa2 prefill "
                         "with one wrapper per model)")
+            return
+        unchecked = compat.unchecked_flashinfer()
+        if unchecked:
+            logger.info("sglang-dflash: the decode step runs eagerly (host attention plan): %s", unchecked)
             return
         sizes = sorted(set.intersection(*(set(r.decode_cuda_graph_runner.capture_bs) for r in runners)))
         widths = self.widths.possible_widths()
@@ -197,17 +194,22 @@ class DFlashWorker(BaseSpecWorker):
         """Called after the target worker took the new weights."""
         return True, "Succeeded to update model weights (target; the DFlash draft keeps its own)."
 
+    def weight_update_runners(self) -> list:
+        """The runners SGLang's weight updates load into besides the target's (SGLang 0.5.23+): none."""
+        return []
+
     def update_weights_from_tensor(self, recv_req):
         """SGLang routes tensor updates to the speculative worker: named tensors are the target's parameters."""
         return self._target_worker.update_weights_from_tensor(recv_req)
 
     # ---- the step ---------------------------------------------------------------------
-    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None) -> GenerationBatchResult:
+    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None,
+                                 pp_proxy_tensors=None) -> GenerationBatchResult:
         """One forward of ``batch``. Under SGLang's overlap schedule ``on_publish(new_seq_lens)`` hands the
         committed lengths to the scheduler's FutureMap once the step is enqueued (the next step reads them on the
         device; the host copies them only without step graphs, `spec_v2_attn_backends`); ``grammar_barrier`` is
         unused: batches with a grammar, or whose logits depend on the output so far, run with the previous step's
-        result applied (`hooks._sync_for_history`)."""
+        result applied (`hooks._sync_for_history`); ``pp_proxy_tensors`` is None (no pipeline parallelism)."""
         kind = call_kind(batch)
         result = self.decode(batch) if kind == "decode" else self.prefill(batch) if kind == "prefill" else self.idle()
         if on_publish is not None:

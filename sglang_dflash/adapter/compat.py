@@ -1,0 +1,163 @@
+"""What differs between the SGLang releases sglang-dflash serves, decided once at import from the installed SGLang's
+own symbols (never from its version string). One flag per change, named after what it detects; the adapter branches
+on these and nowhere else.
+
+The version range (`SUPPORTED_RANGE`) is the gate: `hooks.check_sglang_compat` refuses an SGLang outside it. Inside
+it, the capabilities below pick each path:
+
+* `SERVER_ARGS_DECLARED` (0.5.20+): server arguments are resolved by declarations (``declare_resolution``; plain
+  writes raise) and read through a resolving view; before, resolution wrote the fields. `resolving` / `resolve`.
+* `WORKER_TAKES_PS` (0.5.17): ``TpModelWorker`` and the speculative worker take the parallel state ``ps``; later
+  releases read it from the runtime context. `worker_ps`.
+* `KV_FIELDS_ON_REQ_KV` (0.5.23): a request's ``req_pool_idx`` / ``kv_committed_len`` live on ``req.kv``
+  (``ReqKvInfo``), its sliding-window eviction cursors in a per-component dict; before, on the request and in
+  ``req.kv.swa_evicted_seqlen``. `req_pool_idx`, `committed_len`, `truncate_kv`.
+* `VERIFY_ARGS_KEYWORD_PLAN` (0.5.23): the paged (FlashInfer / Triton) verify attention calls
+  ``generate_attn_arg_prefill`` with keyword-only ``translator`` / ``plan`` / ``kind`` (no ``req_to_token``). Not
+  served yet: DFLASH there runs on torch_native (CPU) only, other backends are refused at start-up
+  (`server_args.resolve_server_args`).
+* `KV_INDICES_KERNEL_MOVED` (0.5.23): ``create_flashinfer_kv_indices_triton`` lives in
+  ``sglang.kernels.ops.attention.kv_indices``; imported from here.
+* `unchecked_flashinfer`: the step graphs' device-side FlashInfer plan (`kernels.attention_plan`) mirrors
+  FlashInfer's private planning rule, checked on a GPU against `PLAN_CHECKED_FLASHINFER` only.
+* Hook targets that moved (`DEFAULT_ATTN_BACKEND`, `CPU_BACKENDS`, `FREE_KV_ALIGNED_PARAMS`).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import inspect
+
+import sglang
+from sglang.srt.arg_groups import overrides as _overrides
+from sglang.srt.managers import schedule_batch as _schedule_batch
+from sglang.srt.managers.tp_worker import TpModelWorker
+from sglang.srt.speculative import dflash_info as _dflash_info
+
+# Releases this code serves, and the ones its test suite ran on (CPU); the range is what pyproject allows.
+SUPPORTED_RANGE = ("0.5.17", "0.5.23")
+TESTED = ("0.5.17", "0.5.23")
+
+SERVER_ARGS_DECLARED = hasattr(_overrides, "declare_resolution")
+WORKER_TAKES_PS = "ps" in inspect.signature(TpModelWorker.__init__).parameters
+KV_FIELDS_ON_REQ_KV = "kv_committed_len" in getattr(_schedule_batch.ReqKvInfo, "__dataclass_fields__", {})
+VERIFY_ARGS_KEYWORD_PLAN = "plan" in inspect.signature(
+    _dflash_info.DFlashVerifyInput.generate_attn_arg_prefill).parameters
+
+# the Triton kernel that gathers a request's KV slots into FlashInfer's paged layout (moved in 0.5.23)
+KV_INDICES_KERNEL_MOVED = importlib.util.find_spec("sglang.kernels.ops.attention.kv_indices") is not None
+if KV_INDICES_KERNEL_MOVED:
+    from sglang.kernels.ops.attention.kv_indices import create_flashinfer_kv_indices_triton  # noqa: F401
+else:
+    from sglang.kernels.ops.attention.utils import create_flashinfer_kv_indices_triton  # noqa: F401
+
+# FlashInfer releases whose split-kv planning rule `kernels.attention_plan` was checked against on a GPU
+PLAN_CHECKED_FLASHINFER = ("0.6.15.post1",)
+
+# hooked SGLang functions that moved: dotted path -> parameter names it must take
+if SERVER_ARGS_DECLARED:
+    DEFAULT_ATTN_BACKEND = ("sglang.srt.arg_groups.model_override_base.get_default_attn_backend",
+                            ["server_args", "use_mla_backend", "model_config"])
+    CPU_BACKENDS = ("sglang.srt.arg_groups.platform_hook.handle_cpu_backends", ["server_args"])
+else:
+    DEFAULT_ATTN_BACKEND = ("sglang.srt.server_args.ServerArgs._get_default_attn_backend",
+                            ["self", "use_mla_backend", "model_config"])
+    CPU_BACKENDS = ("sglang.srt.server_args.ServerArgs._handle_cpu_backends", ["self"])
+FREE_KV_ALIGNED_PARAMS = ["self", "kv" if KV_FIELDS_ON_REQ_KV else "pool_idx", "target", "end"]
+WORKER_PARAMS = ["self", "server_args", "gpu_id", *(["ps"] if WORKER_TAKES_PS else []), "nccl_port",
+                 "is_draft_worker"]
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """"0.5.23" -> (0, 5, 23) (a pre/post-release suffix of the last part is dropped)."""
+    parts = []
+    for p in version.split(".")[:3]:
+        digits = "".join(ch for ch in p if ch.isdigit()) if not p.isdigit() else p
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def version_problem(version: str | None = None) -> str | None:
+    """Why this SGLang ``version`` (default: the installed one) is outside `SUPPORTED_RANGE` (None inside)."""
+    version = version or getattr(sglang, "__version__", "unknown")
+    lo, hi = SUPPORTED_RANGE
+    if version == "unknown" or not version_tuple(lo) <= version_tuple(version) <= version_tuple(hi):
+        return f"sglang=={version} installed (supported: {lo} to {hi})"
+    return None
+
+
+# ---- server arguments during start-up resolution ----------------------------------------------------------
+def resolving(server_args):
+    """What resolution has decided so far for ``server_args`` (read every field through this during resolution)."""
+    if SERVER_ARGS_DECLARED:
+        from sglang.srt.arg_groups.model_override_base import resolving_view
+
+        return resolving_view(server_args)
+    return server_args
+
+
+def resolve(server_args, **fields) -> None:
+    """Set ``fields`` of ``server_args`` during start-up resolution."""
+    if SERVER_ARGS_DECLARED:
+        _overrides.declare_resolution(server_args, "sglang_dflash", **fields)
+        return
+    for name, value in fields.items():
+        setattr(server_args, name, value)
+
+
+def published(server_args):
+    """The resolved server arguments after start-up (from 0.5.20 raw fields hold what the user typed)."""
+    if SERVER_ARGS_DECLARED:
+        return _overrides.resolved_view(server_args)
+    return server_args
+
+
+def model_config(server_args):
+    """The target's ModelConfig during start-up resolution."""
+    if SERVER_ARGS_DECLARED:
+        from sglang.srt.arg_groups.model_override_base import model_config_of
+
+        return model_config_of(server_args)
+    return server_args.get_model_config()
+
+
+# ---- workers -----------------------------------------------------------------------------------------------
+def worker_ps(ps) -> dict:
+    """The parallel-state keyword of a worker constructor (empty where SGLang takes none)."""
+    return {"ps": ps} if WORKER_TAKES_PS else {}
+
+
+# ---- a request's KV fields -----------------------------------------------------------------------------------
+def req_pool_idx(req) -> int:
+    return req.kv.req_pool_idx if KV_FIELDS_ON_REQ_KV else req.req_pool_idx
+
+
+def committed_len(req) -> int:
+    return req.kv.kv_committed_len if KV_FIELDS_ON_REQ_KV else req.kv_committed_len
+
+
+def truncate_kv(cache, req, keep: int) -> None:
+    """Free a streaming-session request's KV past ``keep`` tokens and clamp its KV cursors to ``keep``."""
+    kv = req.kv
+    cache._free_kv_aligned(kv if KV_FIELDS_ON_REQ_KV else req.req_pool_idx, keep, kv.kv_allocated_len)
+    kv.kv_allocated_len = min(kv.kv_allocated_len, keep)
+    if KV_FIELDS_ON_REQ_KV:
+        kv.kv_committed_len = min(kv.kv_committed_len, keep)
+        kv.clamp_evicted_seqlens(keep)
+    else:
+        req.kv_committed_len = min(req.kv_committed_len, keep)
+        kv.swa_evicted_seqlen = min(kv.swa_evicted_seqlen, keep)
+
+
+# ---- FlashInfer ------------------------------------------------------------------------------------------------
+def unchecked_flashinfer() -> str | None:
+    """Why the device-side FlashInfer plan must not be used with the installed FlashInfer (None: it was checked)."""
+    try:
+        version = importlib.metadata.version("flashinfer-python")
+    except importlib.metadata.PackageNotFoundError:
+        return "flashinfer-python is not installed"
+    if version in PLAN_CHECKED_FLASHINFER:
+        return None
+    return (f"flashinfer-python {version}: the step graph's device-side plan was checked against "
+            f"{', '.join(PLAN_CHECKED_FLASHINFER)} only")
