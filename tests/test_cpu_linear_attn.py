@@ -13,6 +13,9 @@ from sglang_dflash.adapter import cpu_linear_attn as L
 from sglang_dflash.adapter.hybrid import commit_verified_states
 
 qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+# the torch conv update: `torch_causal_conv1d_update` (SiLU built in) before transformers 5.19, then
+# `causal_conv1d_update` (activation as asked); both take ``activation``
+conv1d_update = getattr(qwen3_5, "torch_causal_conv1d_update", None) or qwen3_5.causal_conv1d_update
 
 H, HV, K, V, DIM, W = 2, 4, 8, 8, 12, 4
 
@@ -32,7 +35,7 @@ def reference(d, T):
         d["q"][None].repeat_interleave(rep, 2), d["k"][None].repeat_interleave(rep, 2), d["v"][None], g[None],
         beta[None], None, True, True)
     conv_state = torch.zeros(1, DIM, W - 1)
-    y = qwen3_5.torch_causal_conv1d_update(d["x"][None], conv_state, d["w"], d["bias"])
+    y = conv1d_update(d["x"][None], conv_state, d["w"], d["bias"], activation="silu")
     return o[0], h[0], y[0], conv_state[0]
 
 

@@ -16,6 +16,7 @@ is one rank.
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -170,7 +171,13 @@ def _rank(rank: int, port: int, out_dir: Path) -> None:
     HookRegistry.apply_hooks()
     ps.init_distributed_environment(world_size=TP, rank=rank, local_rank=rank, backend="gloo",
                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
-    ps.initialize_model_parallel(tensor_model_parallel_size=TP)
+    if "tensor_model_parallel_size" in inspect.signature(ps.initialize_model_parallel).parameters:
+        ps.initialize_model_parallel(tensor_model_parallel_size=TP)
+    else:  # 0.5.20+: the groups are built at the published widths
+        from sglang.test.test_utils import publish_build_topology
+
+        publish_build_topology(world_rank=rank, tp_size=TP, device="cpu")
+        ps.initialize_model_parallel(backend="gloo")
     group = ps.get_tp_group()
     assert group.world_size == TP and group.pynccl_comm is None
     assert cpu_platform._min_over_ranks(1000 + 7 * rank) == 1000  # one KV pool size for every rank

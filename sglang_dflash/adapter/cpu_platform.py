@@ -316,7 +316,7 @@ def _cpu_kv_budget(original, configurator, pre_model_load_memory) -> int:
 def _min_over_ranks(n: int) -> int:
     """The smallest ``n`` of this server's ranks (``n`` itself on one rank): tensor-parallel ranks share one host's
     RAM and must size the same KV pool (each schedules on its own copy of the pool's state)."""
-    from sglang.srt.distributed import get_world_group
+    from sglang.srt.distributed.parallel_state import get_world_group
 
     group = get_world_group()
     if group.world_size == 1:
