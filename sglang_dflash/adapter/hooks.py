@@ -62,10 +62,8 @@ def check_sglang_compat() -> list[str]:
     """Return a list of problems (empty when every hooked symbol matches)."""
     import pkgutil
 
-    import sglang
-
     problems = []
-    version = compat.version_problem(getattr(sglang, "__version__", "unknown"))
+    version = compat.version_problem()
     if version:
         problems.append(version)
     for path, expected in EXPECTED_SIGNATURES.items():

@@ -42,11 +42,12 @@ def resolve_server_args(raw_args) -> None:
     from sglang_dflash.adapter import compat
 
     server_args = compat.resolving(raw_args)
-    if target_state_config(compat.model_config(server_args)) is None:
+    model_config = compat.model_config(server_args)
+    if target_state_config(model_config) is None:
         return
     from sglang.srt.arg_groups.overrides import resolved_view
 
-    arch = compat.model_config(server_args).hf_config.architectures[0]
+    arch = model_config.hf_config.architectures[0]
     if server_args.max_running_requests is None:
         compat.resolve(raw_args, max_running_requests=DEFAULT_MAX_RUNNING_REQUESTS)
         logger.info("sglang-dflash: hybrid target %s: --max-running-requests %d (SGLang sizes the linear-attention "
