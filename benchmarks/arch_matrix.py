@@ -19,7 +19,7 @@ each with the same random 2-layer z-lab-format draft. Checks:
 
 Hybrid families also run controls through the test harness switches (``tests/harness/sitecustomize``, not the
 product): ours with the state committed after the whole block (must show an excess of large deficits), and ours
-with an oracle draft (no-spec's turn-1 replies) that forces accept lengths 0..B-1, with the right and the broken
+with an oracle draft (ours' replies of both turns: at T=0 the same server retraces them) that forces accept lengths 0..B-1, with the right and the broken
 commit.
 
     python benchmarks/arch_matrix.py --families llama,qwen3_next --out results/arch
@@ -49,12 +49,13 @@ from sglang_dflash import compare  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 HARNESS = REPO / "tests" / "harness" / "sitecustomize"
 HYBRID = ("qwen3_5", "qwen3_next")
-BACKEND = {"gpt_oss": "triton", "deepseek_v2": "triton"}  # attention sinks / MLA: not on FlashInfer's MHA path
+# attention sinks, Gemma 4's attention, MLA: not on FlashInfer's MHA path
+BACKEND = {"gpt_oss": "triton", "gemma4": "triton", "deepseek_v2": "triton"}
 FLAGS = ["--sleep-on-idle", "--skip-server-warmup", "--mem-fraction-static", "0.9", "--max-total-tokens", "40000",
          "--max-running-requests", "48", "--cuda-graph-max-bs", "32", "--disable-prefill-cuda-graph"]
 # Hybrid targets: SGLang's radix cache keeps a request's linear-attention state without checkpoints along a verify
 # block only with ``no_buffer``, which SGLang serves with the synchronous scheduler; every server of such a family
-# runs with these flags (sglang-dflash refuses the ``extra_buffer`` strategy SGLang would pick for Qwen3-Next).
+# runs with these flags (what sglang-dflash resolves a hybrid target to where SGLang would pick ``extra_buffer``).
 HYBRID_FLAGS = ["--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule"]
 NEW_TOKENS, SAMPLES = 64, 1024
 
@@ -172,9 +173,9 @@ def run_family(family: str, work: Path, controls: bool, startup: float) -> dict:
             return row
         replies = {k: conversations(s, turn1, follow, reference=k == "nospec") for k, s in servers.items() if up[k]}
         ref = replies["nospec"]
-        if controls:  # oracle draft: no-spec's turn-1 and turn-2 sequences (prompt + reply)
+        if controls and up["ours"]:  # oracle draft: ours' own sequences (prompt + reply) of both turns
             oracle = work / family / "oracle.json"
-            oracle.write_text(json.dumps([r["prompt_ids"] + r["output_ids"] for r in ref]))
+            oracle.write_text(json.dumps([r["prompt_ids"] + r["output_ids"] for r in replies["ours"]]))
             for k, broken in (("ours_oracle", "0"), ("ours_oracle_broken", "1")):
                 env = {**harness, "SGLANG_DFLASH_TEST_ORACLE_DRAFT": str(oracle),
                        "SGLANG_DFLASH_TEST_BROKEN_STATE_COMMIT": broken}

@@ -71,14 +71,15 @@ FAMILIES = {
                 dict(_SMALL, num_local_experts=8, num_experts_per_tok=2, intermediate_size=512, sliding_window=128,
                      swiglu_limit=7.0, layer_types=_every(2, 8, "full_attention", "sliding_attention")), {}),
     "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", "Gemma4ForCausalLM",
-               dict(_SMALL, hidden_size_per_layer_input=64, global_head_dim=128, sliding_window=128,
+               dict(_SMALL, hidden_size_per_layer_input=64, global_head_dim=64, sliding_window=128,
                     layer_types=_every(4, 8, "full_attention", "sliding_attention")), {}),
     # MLA: DeepSeek-V2-Lite's layout, first layer dense, the rest MoE.
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", "DeepseekV2ForCausalLM",
                     dict({k: v for k, v in _SMALL.items() if k != "head_dim"}, q_lora_rank=None, kv_lora_rank=128,
                          qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=8,
                          num_experts_per_tok=2, moe_intermediate_size=256, n_shared_experts=1,
-                         first_k_dense_replace=1, topk_method="greedy", n_group=1, topk_group=1,
+                         first_k_dense_replace=1, moe_layer_freq=1, topk_method="greedy", n_group=1, topk_group=1,
+                         scoring_func="softmax", routed_scaling_factor=1.0, norm_topk_prob=False, ep_size=1,
                          num_key_value_heads=8), {}),
 }
 

@@ -868,3 +868,49 @@ def test_step_widths_cost_a_step_by_its_device_time_or_the_host_interval_to_the_
     assert pinned.fixed and pinned.choose(5) == (8, None) and pinned.possible_widths() == [8]
     capped = widths_mod.StepWidths(AdaptiveConfig.parse('{"widths": [16], "max_batch_size": 8}', 16), 16, "cpu")
     assert not capped.fixed and capped.possible_widths() == [1, 16] and capped.choose(9)[0] == 1
+
+
+def _hybrid_args(strategy: str, sglang_choice: str, **overrides):
+    """Raw server args of a hybrid target in start-up resolution: the user's ``--mamba-radix-cache-strategy`` and
+    the strategy SGLang's own resolution already decided (its stash of decisions)."""
+    args = SimpleNamespace(**{"mamba_radix_cache_strategy": strategy, "disable_radix_cache": False,
+                              "max_running_requests": None, "disable_overlap_schedule": False, **overrides})
+    args._resolved_overrides = [("_mamba_radix_cache_resolution",
+                                 {"uses_mamba_radix_cache": True, "mamba_radix_cache_strategy": sglang_choice})]
+    return args
+
+
+@pytest.fixture
+def qwen3_next_target(monkeypatch):
+    """`hybrid.resolve_server_args` sees a Qwen3-Next target (no checkpoint read)."""
+    from sglang_dflash.adapter import compat, hybrid
+
+    monkeypatch.setattr(hybrid, "target_state_config", lambda model_config: object())
+    monkeypatch.setattr(compat, "model_config", lambda server_args: SimpleNamespace(
+        hf_config=SimpleNamespace(architectures=["Qwen3NextForCausalLM"])))
+
+
+def test_hybrid_extra_buffer_left_to_sglang_becomes_no_buffer_with_the_synchronous_scheduler(qwen3_next_target):
+    from sglang.srt.arg_groups.overrides import resolved_view
+
+    from sglang_dflash.adapter import hybrid
+
+    args = _hybrid_args("auto", "extra_buffer")  # SGLang's automatic choice for Qwen3-Next under the overlap schedule
+    hybrid.resolve_server_args(args)
+    final = resolved_view(args)  # SGLang applies its stash last writer wins
+    assert (final.mamba_radix_cache_strategy, final.disable_overlap_schedule, final.max_running_requests) == (
+        "no_buffer", True, hybrid.DEFAULT_MAX_RUNNING_REQUESTS)
+
+    kept = _hybrid_args("auto", "no_buffer", max_running_requests=8)  # SGLang's choice for other architectures
+    hybrid.resolve_server_args(kept)
+    final = resolved_view(kept)
+    assert (final.mamba_radix_cache_strategy, final.disable_overlap_schedule, final.max_running_requests) == (
+        "no_buffer", False, 8)
+
+
+def test_hybrid_extra_buffer_asked_for_is_refused_with_the_fix(qwen3_next_target):
+    from sglang_dflash.adapter import hybrid
+
+    with pytest.raises(ValueError, match=r"--mamba-radix-cache-strategy extra_buffer is not supported with DFLASH on "
+                                         r"Qwen3NextForCausalLM.*--disable-radix-cache"):
+        hybrid.resolve_server_args(_hybrid_args("extra_buffer", "extra_buffer"))

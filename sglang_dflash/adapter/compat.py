@@ -39,6 +39,8 @@ from sglang.srt.speculative import dflash_info as _dflash_info
 SUPPORTED_RANGE = ("0.5.17", "0.5.23")
 
 SERVER_ARGS_DECLARED = hasattr(_overrides, "declare_resolution")
+# 0.5.17: SGLang's own start-up decisions wait in a stash applied at the end of resolution (last writer wins)
+DECISIONS_STASHED = not SERVER_ARGS_DECLARED and hasattr(_overrides, "materialize_declarations")
 WORKER_TAKES_PS = "ps" in inspect.signature(TpModelWorker.__init__).parameters
 KV_FIELDS_ON_REQ_KV = "kv_committed_len" in getattr(_schedule_batch.ReqKvInfo, "__dataclass_fields__", {})
 VERIFY_ARGS_KEYWORD_PLAN = "plan" in inspect.signature(
@@ -103,6 +105,9 @@ def resolve(server_args, **fields) -> None:
         return
     for name, value in fields.items():
         setattr(server_args, name, value)
+    stash = getattr(server_args, "_resolved_overrides", None) if DECISIONS_STASHED else None
+    if stash is not None:  # outlast a decision SGLang stashed earlier for the same field
+        stash.append(("sglang_dflash", dict(fields)))
 
 
 def published(server_args):

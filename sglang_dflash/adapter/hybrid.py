@@ -13,9 +13,10 @@ and neither is it in the state), a retracted request is prefilled again.
 
 Start-up (`resolve_server_args`, in the launcher): SGLang sizes the state pool with the scratch of
 ``max_running_requests`` verify blocks, so that number must be known (SGLang's own DFLASH sets 48; so does this
-one, logged). The radix cache's ``extra_buffer`` strategies (SGLang's choice for some architectures under the
-overlap schedule) track states at intervals along a verify, which this worker does not do: they are refused with
-the fix (``no_buffer``, SGLang's choice for the synchronous scheduler, is served).
+one, logged). The radix cache's ``extra_buffer`` strategies (SGLang's automatic choice for some architectures, e.g.
+Qwen3-Next and Qwen3.5, under the overlap schedule) track states at intervals along a verify, which this worker does
+not do: left to SGLang, the strategy becomes ``no_buffer`` with the synchronous scheduler (SGLang's own choice for
+the other hybrid architectures), logged; asked for by the user, it is refused with the fix.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_RUNNING_REQUESTS = 48  # SGLang's own for speculative decoding
+EXTRA_BUFFER = ("extra_buffer", "extra_buffer_lazy")  # radix-cache strategies with state checkpoints along a verify
 
 
 def target_state_config(model_config):
@@ -53,6 +55,13 @@ def resolve_server_args(raw_args) -> None:
         logger.info("sglang-dflash: hybrid target %s: --max-running-requests %d (SGLang sizes the linear-attention "
                     "state pool, with one verify block of scratch per request, from it); pass the flag to choose.",
                     arch, DEFAULT_MAX_RUNNING_REQUESTS)
+    view = resolved_view(raw_args)
+    if (raw_args.mamba_radix_cache_strategy == "auto" and not view.disable_radix_cache
+            and view.mamba_radix_cache_strategy in EXTRA_BUFFER):
+        compat.resolve(raw_args, mamba_radix_cache_strategy="no_buffer", disable_overlap_schedule=True)
+        logger.info("sglang-dflash: hybrid target %s: --mamba-radix-cache-strategy no_buffer with the synchronous "
+                    "scheduler (the extra_buffer strategy's state checkpoints along a verify block are not tracked); "
+                    "--disable-radix-cache keeps the overlap schedule instead.", arch)
     check_state_strategy(resolved_view(raw_args), arch)
 
 
@@ -62,9 +71,9 @@ def check_state_strategy(server_args, arch: str) -> None:
     from sglang_dflash.adapter.server_args import _fail
 
     strategy = server_args.mamba_radix_cache_strategy
-    if strategy in ("extra_buffer", "extra_buffer_lazy") and not server_args.disable_radix_cache:
-        _fail(f"--mamba-radix-cache-strategy {strategy} (SGLang's choice for {arch} with the overlap schedule) is "
-              "not supported with DFLASH: its state checkpoints along a verify block are not tracked",
+    if strategy in EXTRA_BUFFER and not server_args.disable_radix_cache:
+        _fail(f"--mamba-radix-cache-strategy {strategy} is not supported with DFLASH on {arch}: its state "
+              "checkpoints along a verify block are not tracked",
               "Pass --mamba-radix-cache-strategy no_buffer --disable-overlap-schedule, or --disable-radix-cache.")
 
 
