@@ -16,6 +16,8 @@ fused tables are built when the weights are loaded, on their device. Two entry p
   tokens, computed from the target's captured hidden states and written at their
   slots -- so a radix-cache prefix hit serves the draft as well as the target.
 
+`capture_target_layers` makes the target return the hidden states ``write_context_kv`` reads.
+
 Under tensor parallelism the draft is sharded with the target's TP group (`tp.DraftShard`): ``core`` is this
 rank's slice (its heads and intermediate rows; ``core.cfg`` the local shapes, ``dcfg`` the whole draft's), and
 o_proj / down_proj outputs are all-reduced.
@@ -195,9 +197,6 @@ def _fused(*linears: nn.Linear) -> torch.Tensor:
     return fused
 
 
-EntryClass = [SGLangDFlashDraft]
-
-
 def capture_target_layers(target, layer_ids: list[int], num_layers: int) -> None:
     """Make the ``target`` model (``num_layers`` layers) return with its logits the hidden states after its layers
     ``layer_ids``, which the draft reads (`SGLangDFlashDraft.write_context_kv`'s ``aux_hidden``)."""
@@ -214,3 +213,7 @@ def capture_target_layers(target, layer_ids: list[int], num_layers: int) -> None
             "cannot be captured. Use a draft trained on earlier layers."
         )
     target.set_dflash_layers_to_capture(layer_ids)
+
+
+EntryClass = [SGLangDFlashDraft]
+

@@ -47,7 +47,7 @@ SEQ_LEN_FILL = 1  # committed length of padded rows (FlashInfer needs kv_len >= 
 
 
 def capture(m: StepModels, runners: Sequence, backend: str, hybrid: bool, widths: Sequence[int], device
-            ) -> "StepGraphs | None":
+            ) -> StepGraphs | None:
     """`decode_step` captured for the batch sizes both ``runners`` (target, draft) captured x ``widths``, where it
     can be: CUDA graphs on, a pure-attention target (not ``hybrid``), FlashInfer's fa2 prefill with one wrapper per
     model, a FlashInfer its device plan was checked against. None (the step runs eagerly, logged) otherwise."""

@@ -4,7 +4,8 @@ A decode call runs `step.decode_step` (build block -> draft -> verify -> commit 
 replayed from `step_graphs.StepGraphs` on FlashInfer for the captured batch sizes, eagerly with a host attention
 plan otherwise -- then takes the greedy accept or, for batches that need more (sampling, grammars, penalties,
 custom logit processors), `sampling.BlockSampler.accept` on the step's logits. A prefill call is the target's own
-extend with hidden-state capture followed by the draft's context K/V for the prompt tokens (`commit_kv`).
+extend with hidden-state capture followed by the draft's context K/V for the prompt tokens
+(`StepModels.commit_kv`); the scheduler gets `spec_inputs`' results.
 
 Under SGLang's overlap schedule the step is the same; its committed lengths are published to the scheduler's
 FutureMap when it ends (`forward_batch_generation`), and batches whose logits read the output so far run after
@@ -62,9 +63,6 @@ class DFlashWorker(BaseSpecWorker):
         self.mask_token_id = int(self.dcfg.mask_token_id)
 
         self.backend = args.attention_backend or "flashinfer"
-        # FlashInfer's TARGET_VERIFY reads `seq_lens` as the committed prefix (the block is added by
-        # `generate_attn_arg_prefill`); torch_native reads it as the full KV length and needs extend lens.
-        self.paged_verify = self.backend != "torch_native"
         self._draft_worker = self._build_draft_worker(server_args, gpu_id, ps, nccl_port)
         self.draft_runner = self._draft_worker.model_runner
         self.draft_model: SGLangDFlashDraft = self.draft_runner.model
@@ -95,9 +93,10 @@ class DFlashWorker(BaseSpecWorker):
                 draft_model=self.draft_model, target_model=self.target_runner.model,
                 draft_backend=self.draft_runner.attn_backend, target_backend=self.target_runner.attn_backend,
                 embed=self.embed, lm_head_weight=self.lm_head_weight,
-                draft_logits=functools.partial(draft_logits, self.dcfg), commit_kv=self.commit_kv,
+                draft_logits=functools.partial(draft_logits, self.dcfg),
+                commit_kv=functools.partial(self.draft_model.write_context_kv, kv_pool=self.draft_runner.token_to_kv_pool),
                 req_to_token=self.target_runner.req_to_token_pool.req_to_token, mask_token_id=self.mask_token_id,
-                block_size=self.block_size, paged_verify=self.paged_verify, vocab_start=self.vocab_start,
+                block_size=self.block_size, paged_verify=self.backend != "torch_native", vocab_start=self.vocab_start,
                 vocab_group=self.vocab_group)
         return self._models
 
@@ -135,9 +134,7 @@ class DFlashWorker(BaseSpecWorker):
         to the host each step (read once, after `init_cuda_graphs`). The step graphs plan attention on the device,
         so with them there is none: no mirror, and the host enqueues the next step without waiting for this one
         (a batch larger than every capture reads its lengths itself, `decode`)."""
-        if self.step_graphs is not None:
-            return ()
-        return (self.target_runner.attn_backend, self.draft_runner.attn_backend)
+        return () if self.step_graphs is not None else (self.target_runner.attn_backend, self.draft_runner.attn_backend)
 
     def alloc_memory_pool(self, memory_pool_config=None, req_to_token_pool=None, token_to_kv_pool_allocator=None):
         """The draft's KV pool, on the target's request rows and token slots."""
@@ -210,16 +207,12 @@ class DFlashWorker(BaseSpecWorker):
         """The target's extend with hidden-state capture, then the draft's context K/V of the extended tokens."""
         self.widths.interrupt()
         out = self.target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
-        self.commit_kv(out.logits_output.hidden_states, extend_positions(batch).to(self.device), batch.out_cache_loc)
+        self.models.commit_kv(out.logits_output.hidden_states, extend_positions(batch).to(self.device),
+                              batch.out_cache_loc)
         return prefill_result(out, batch, self.block_size)
 
     def idle(self) -> GenerationBatchResult:
         return idle_result(self.device, self.block_size)
-
-    def commit_kv(self, aux_hidden: torch.Tensor, positions: torch.Tensor, cache_loc: torch.Tensor) -> None:
-        """The draft's context K/V of tokens whose target hidden states ``aux_hidden`` [N, n_ids*H] were captured,
-        at their ``positions`` [N] and KV slots ``cache_loc`` [N]."""
-        self.draft_model.write_context_kv(aux_hidden, positions, cache_loc, self.draft_runner.token_to_kv_pool)
 
 
 def call_kind(batch) -> str:
