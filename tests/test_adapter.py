@@ -836,15 +836,15 @@ def test_step_widths_cost_a_step_by_its_device_time_or_the_host_interval_to_the_
     monkeypatch.setattr(sw.policy, "observe", lambda bs, w, lens, s: seen.append((bs, w, lens, round(s, 6))))
     assert sw.possible_widths() == [1, 4]
 
-    w1, tok = sw.choose(2)  # step 1: 1 ms in the step, then 4 ms of scheduler before the next choice
+    w1 = sw.choose(2)  # step 1: 1 ms in the step, then 4 ms of scheduler before the next choice
     clock[0] = 0.001
-    sw.finish(tok, 2, w1, torch.tensor([3, 1]))
+    sw.finish(torch.tensor([3, 1]))
     assert seen == []  # its host interval is not known yet
     clock[0] = 0.005
-    w2, tok = sw.choose(2)
+    w2 = sw.choose(2)
     assert seen == [(2, w1, [3, 1], 0.005)]
     clock[0] = 0.012  # step 2: 7 ms in the step itself, then a prefill, then the next choice
-    sw.finish(tok, 2, w2, torch.tensor([0, 0]))
+    sw.finish(torch.tensor([0, 0]))
     sw.interrupt()
     clock[0] = 0.100
     sw.choose(3)
@@ -856,18 +856,18 @@ def test_step_widths_cost_a_step_by_its_device_time_or_the_host_interval_to_the_
     monkeypatch.setattr(ov.policy, "observe", lambda bs, w, lens, s: seen.append((bs, w, lens, round(s, 6))))
     for i, (t_choose, t_done) in enumerate([(1.000, 1.001), (1.010, 1.011), (1.030, 1.031)]):
         clock[0] = t_choose
-        w, tok = ov.choose(1)
+        ov.choose(1)
         clock[0] = t_done
-        ov.finish(tok, 1, w, torch.tensor([i]))
+        ov.finish(torch.tensor([i]))
     assert [x[2:] for x in seen] == [([0], 0.02)]  # step 1: choice 2 -> choice 3 (20 ms), not its own 1 ms
     clock[0] = 1.040
     ov.choose(1)
     assert [x[2:] for x in seen] == [([0], 0.02), ([1], 0.01)]  # step 2: choice 3 -> choice 4
 
     pinned = widths_mod.StepWidths(AdaptiveConfig.parse('{"widths": [8]}', 16), 16, "cpu")
-    assert pinned.fixed and pinned.choose(5) == (8, None) and pinned.possible_widths() == [8]
+    assert pinned.fixed and pinned.choose(5) == 8 and pinned.possible_widths() == [8]
     capped = widths_mod.StepWidths(AdaptiveConfig.parse('{"widths": [16], "max_batch_size": 8}', 16), 16, "cpu")
-    assert not capped.fixed and capped.possible_widths() == [1, 16] and capped.choose(9)[0] == 1
+    assert not capped.fixed and capped.possible_widths() == [1, 16] and capped.choose(9) == 1
 
 
 def _hybrid_args(strategy: str, sglang_choice: str, **overrides):

@@ -16,6 +16,8 @@ fused tables are built when the weights are loaded, on their device. Two entry p
   tokens, computed from the target's captured hidden states and written at their
   slots -- so a radix-cache prefix hit serves the draft as well as the target.
 
+`capture_target_layers` makes the target return the hidden states ``write_context_kv`` reads.
+
 Under tensor parallelism the draft is sharded with the target's TP group (`tp.DraftShard`): ``core`` is this
 rank's slice (its heads and intermediate rows; ``core.cfg`` the local shapes, ``dcfg`` the whole draft's), and
 o_proj / down_proj outputs are all-reduced.
@@ -36,6 +38,7 @@ from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.runtime_context import get_parallel
 
+from sglang_dflash.adapter import hybrid
 from sglang_dflash.adapter.tp import DraftShard
 from sglang_dflash.config import DFlashDraftConfig
 from sglang_dflash.kernels.draft_layers import norm_rope, rms_norm, silu_mul
@@ -194,4 +197,23 @@ def _fused(*linears: nn.Linear) -> torch.Tensor:
     return fused
 
 
+def capture_target_layers(target, layer_ids: list[int], num_layers: int) -> None:
+    """Make the ``target`` model (``num_layers`` layers) return with its logits the hidden states after its layers
+    ``layer_ids``, which the draft reads (`SGLangDFlashDraft.write_context_kv`'s ``aux_hidden``)."""
+    hybrid.add_dflash_capture(target)
+    if not hasattr(target, "set_dflash_layers_to_capture"):
+        raise ValueError(
+            f"sglang-dflash: target architecture {type(target).__name__} cannot expose the hidden "
+            "states of intermediate layers (no set_dflash_layers_to_capture). Use a Llama/Qwen-family target."
+        )
+    if max(layer_ids) >= num_layers - 1:
+        raise ValueError(
+            f"sglang-dflash: draft target_layer_ids {layer_ids} include the target's last layer "
+            f"({num_layers - 1}); SGLang captures hidden states before a layer runs, so the last layer's output "
+            "cannot be captured. Use a draft trained on earlier layers."
+        )
+    target.set_dflash_layers_to_capture(layer_ids)
+
+
 EntryClass = [SGLangDFlashDraft]
+

@@ -7,7 +7,8 @@ tokens and committed lengths travel through the scheduler's FutureMap instead
 (`future_indices` set): the next step reads them from there once they exist on the
 device. `DFlashBlockInput` is the `spec_info` of the two per-step forwards (draft block,
 target verify): both are linear blocks of `block_size` tokens per request appended
-after `seq_lens` committed tokens.
+after `seq_lens` committed tokens. `decode_result` / `prefill_result` / `idle_result`:
+what the worker hands the scheduler, the next step's `DFlashDraftState` included.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import List, Optional
 
 import torch
 
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.mem_cache.allocation import alloc_token_slots
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.speculative.spec_info import SpecInput, SpecInputType
@@ -145,3 +148,48 @@ def write_block_kv_layout(req_to_token: torch.Tensor, req_pool_indices: torch.Te
     create_flashinfer_kv_indices_triton[(bs,)](
         req_to_token, req_pool_indices, kv_lens, kv_indptr, None, kv_indices, req_to_token.size(1)
     )
+
+
+# ---- the worker's results ----------------------------------------------------------------------------------
+def decode_result(logits: torch.Tensor, accepted: tuple, width: int, block_size: int,
+                  graphed: bool) -> GenerationBatchResult:
+    """A decode step's result from its verify ``logits`` ``[bs * width, V]`` and ``accepted`` = (accept_lens,
+    bonus_tokens, committed ``[bs, width]`` (-1 padded), new_seq_lens), the others ``[bs]``."""
+    accept_lens, bonus, committed, new_seq_lens = accepted
+    return GenerationBatchResult(
+        logits_output=LogitsProcessorOutput(next_token_logits=logits),
+        next_token_ids=committed.reshape(-1),
+        accept_lens=(accept_lens + 1).to(torch.int32),
+        can_run_cuda_graph=graphed,
+        next_draft_input=DFlashDraftState(bonus_tokens=bonus, block_size=block_size),
+        speculative_num_draft_tokens=width,  # the stride of next_token_ids / logprobs per request
+        new_seq_lens=new_seq_lens,
+    )
+
+
+def prefill_result(out: GenerationBatchResult, batch, block_size: int) -> GenerationBatchResult:
+    """The target's extend result ``out`` of ``batch`` as DFLASH's: its next tokens are the bonus tokens; the
+    captured hidden states (written to the draft's KV by then) are dropped."""
+    out.logits_output.hidden_states = None
+    out.new_seq_lens = batch.seq_lens
+    out.next_draft_input = DFlashDraftState(bonus_tokens=out.next_token_ids.to(torch.int64), block_size=block_size)
+    return out
+
+
+def idle_result(device, block_size: int) -> GenerationBatchResult:
+    """An idle step's (empty) result."""
+    empty = torch.empty((0,), dtype=torch.int64, device=device)
+    return GenerationBatchResult(
+        next_token_ids=empty, accept_lens=empty.to(torch.int32), new_seq_lens=empty,
+        next_draft_input=DFlashDraftState(bonus_tokens=empty, block_size=block_size),
+        speculative_num_draft_tokens=block_size,
+    )
+
+
+def extend_positions(batch) -> torch.Tensor:
+    """Positions ``[N]`` int64 (host) of the N tokens an extend ``batch`` appends: ``prefix_lens[i] +
+    arange(extend_lens[i])`` per request, concatenated."""
+    prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64)
+    lens = torch.tensor(batch.extend_lens, dtype=torch.int64)
+    return torch.repeat_interleave(prefix, lens) + (
+        torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens))

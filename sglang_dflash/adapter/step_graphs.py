@@ -28,6 +28,7 @@ Each captured graph's wrappers are its own (created through the backends' captur
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import torch
@@ -35,11 +36,39 @@ from triton import next_power_of_2 as triton_next_power_of_2
 
 from sglang.srt.distributed.parallel_state import graph_capture
 
+from sglang_dflash.adapter import compat
 from sglang_dflash.adapter.spec_inputs import write_block_kv_layout
 from sglang_dflash.adapter.step import StepBatch, StepModels, StepResult, decode_step, padded_rows
 from sglang_dflash.kernels.attention_plan import split_kv_plan
 
+logger = logging.getLogger(__name__)
+
 SEQ_LEN_FILL = 1  # committed length of padded rows (FlashInfer needs kv_len >= 1 per row)
+
+
+def capture(m: StepModels, runners: Sequence, backend: str, hybrid: bool, widths: Sequence[int], device
+            ) -> StepGraphs | None:
+    """`decode_step` captured for the batch sizes both ``runners`` (target, draft) captured x ``widths``, where it
+    can be: CUDA graphs on, a pure-attention target (not ``hybrid``), FlashInfer's fa2 prefill with one wrapper per
+    model, a FlashInfer its device plan was checked against. None (the step runs eagerly, logged) otherwise."""
+    if not str(device).startswith("cuda") or any(r.decode_cuda_graph_runner is None for r in runners):
+        return None
+    if hybrid:
+        reason = "hybrid target: its CUDA graph is not built for linear-attention states"
+    elif backend != "flashinfer" or not all(r.attn_backend.num_wrappers == 1
+                                            and r.attn_backend.prefill_backend == "fa2" for r in runners):
+        reason = "its CUDA graph needs FlashInfer's fa2 prefill with one wrapper per model"
+    else:
+        unchecked = compat.unchecked_flashinfer()
+        reason = unchecked and f"host attention plan: {unchecked}"
+    if reason:
+        logger.info("sglang-dflash: the decode step runs eagerly (%s)", reason)
+        return None
+    sizes = sorted(set.intersection(*(set(r.decode_cuda_graph_runner.capture_bs) for r in runners)))
+    graphs = StepGraphs(m, sizes, widths, runners[0].model_config.vocab_size, device)
+    logger.info("sglang-dflash: decode step captured as one CUDA graph for batch sizes %s x verify widths %s",
+                sizes, widths)
+    return graphs
 
 
 class DevicePlan:
@@ -179,6 +208,10 @@ class StepGraphs:
     def padded_size(self, n: int) -> int | None:
         """The captured batch size a batch of n requests replays (None: larger than every capture)."""
         return padded_rows(n, self.sizes)
+
+    def serves(self, n: int, width: int) -> bool:
+        """Whether a step of n requests at ``width`` replays a graph (else it runs eagerly)."""
+        return width in self.widths and self.padded_size(n) is not None
 
     def replay(self, bonus_tokens: torch.Tensor, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor,
                width: int) -> StepResult:

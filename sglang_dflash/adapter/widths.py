@@ -42,9 +42,8 @@ class _Step:
 
 
 class StepWidths:
-    """``choose(bs)`` before a step, ``finish(token, bs, width, accept_lens)`` after it (``token`` from
-    ``choose``), ``interrupt()`` when a prefill runs between steps; ``counts``: steps per width since the last
-    log line."""
+    """``choose(bs)`` before a step, ``finish(accept_lens)`` after it, ``interrupt()`` when a prefill runs between
+    steps; ``counts``: steps per width since the last log line."""
 
     def __init__(self, cfg: AdaptiveConfig, block_size: int, device, tp_group=None, overlap: bool = False):
         self.lag = 1 if overlap else 0
@@ -55,6 +54,7 @@ class StepWidths:
         self.pending: collections.deque[_Step] = collections.deque()
         self.recent: collections.deque[_Step] = collections.deque(maxlen=2)  # the last steps, newest last
         self.chosen_at: float | None = None
+        self.current: tuple[object, int] | None = None  # the chosen step's (device timing start, width)
         self.interval_void = False  # a prefill ran since the last choice
         self.counts: collections.Counter = collections.Counter()
         self.last_log = time.monotonic()
@@ -63,10 +63,10 @@ class StepWidths:
         """Every width `choose` can return (the candidates, and 1 above a batch-size ceiling)."""
         return sorted({*self.policy.widths, *([1] if self.policy.max_batch_size is not None else [])})
 
-    def choose(self, bs: int) -> tuple[int, object]:
-        """-> (width, token for `finish`)."""
+    def choose(self, bs: int) -> int:
+        """The verify width of the next step, of ``bs`` requests."""
         if self.fixed:
-            return self.policy.widths[0], None
+            return self.policy.widths[0]
         now = time.perf_counter()
         if self.chosen_at is not None:
             if self.interval_void:  # the steps still without an interval keep their device time
@@ -83,16 +83,18 @@ class StepWidths:
         self.counts[width] += 1
         if time.monotonic() - self.last_log >= LOG_EVERY_S:
             self._log()
+        start = now
         if self.cuda:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
-            return width, start
-        return width, now
+        self.current = (start, width)
+        return width
 
-    def finish(self, token, bs: int, width: int, accept_lens: torch.Tensor) -> None:
-        """After the step (and its accept) of ``bs`` rows at ``width``; ``accept_lens`` [bs] accepted drafts."""
+    def finish(self, accept_lens: torch.Tensor) -> None:
+        """After the chosen step (and its accept); ``accept_lens`` [bs] accepted drafts."""
         if self.fixed:
             return
+        (start, width), bs = self.current, accept_lens.shape[0]
         if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
             lens = torch.empty(accept_lens.shape, dtype=accept_lens.dtype, pin_memory=True)
@@ -100,7 +102,7 @@ class StepWidths:
             end.record()
         else:
             end, lens = time.perf_counter(), accept_lens.tolist()
-        step = _Step(token, end, lens, bs, width)
+        step = _Step(start, end, lens, bs, width)
         self.recent.append(step)
         self.pending.append(step)
 

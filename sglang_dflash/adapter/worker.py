@@ -4,7 +4,8 @@ A decode call runs `step.decode_step` (build block -> draft -> verify -> commit 
 replayed from `step_graphs.StepGraphs` on FlashInfer for the captured batch sizes, eagerly with a host attention
 plan otherwise -- then takes the greedy accept or, for batches that need more (sampling, grammars, penalties,
 custom logit processors), `sampling.BlockSampler.accept` on the step's logits. A prefill call is the target's own
-extend with hidden-state capture followed by the draft's context K/V for the prompt tokens (`commit_kv`).
+extend with hidden-state capture followed by the draft's context K/V for the prompt tokens
+(`StepModels.commit_kv`); the scheduler gets `spec_inputs`' results.
 
 Under SGLang's overlap schedule the step is the same; its committed lengths are published to the scheduler's
 FutureMap when it ends (`forward_batch_generation`), and batches whose logits read the output so far run after
@@ -18,7 +19,6 @@ import logging
 
 import torch
 
-from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
@@ -26,12 +26,11 @@ from sglang.srt.models.registry import ModelRegistry
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.draft_worker_common import build_draft_tp_worker
 
-from sglang_dflash.adapter import compat, cpu_attention, hybrid, profiling
-from sglang_dflash.adapter.draft_model import SGLangDFlashDraft
+from sglang_dflash.adapter import compat, cpu_attention, hybrid, profiling, step_graphs
+from sglang_dflash.adapter.draft_model import SGLangDFlashDraft, capture_target_layers
 from sglang_dflash.adapter.sampling import BlockSampler, plain_greedy
-from sglang_dflash.adapter.spec_inputs import DFlashDraftState
+from sglang_dflash.adapter.spec_inputs import decode_result, extend_positions, idle_result, prefill_result
 from sglang_dflash.adapter.step import HostPlan, StepBatch, StepModels, decode_step
-from sglang_dflash.adapter.step_graphs import StepGraphs
 from sglang_dflash.adapter.widths import StepWidths
 from sglang_dflash.adapter.tp import agree_on_accept, lm_head_shard, tp_group
 from sglang_dflash.config import DFlashDraftConfig
@@ -39,7 +38,6 @@ from sglang_dflash.model import draft_logits
 from sglang_dflash.policy import AdaptiveConfig
 
 logger = logging.getLogger(__name__)
-
 
 
 class DFlashWorker(BaseSpecWorker):
@@ -55,20 +53,8 @@ class DFlashWorker(BaseSpecWorker):
                                                       args.speculative_draft_model_revision)
         self.dcfg.validate_target(self.target_runner.model_config.hf_config)
         target = self.target_runner.model
-        hybrid.add_dflash_capture(target)
-        if not hasattr(target, "set_dflash_layers_to_capture"):
-            raise ValueError(
-                f"sglang-dflash: target architecture {type(target).__name__} cannot expose the hidden "
-                "states of intermediate layers (no set_dflash_layers_to_capture). Use a Llama/Qwen-family target."
-            )
-        num_layers = self.target_runner.model_config.hf_text_config.num_hidden_layers
-        if max(self.dcfg.target_layer_ids) >= num_layers - 1:
-            raise ValueError(
-                f"sglang-dflash: draft target_layer_ids {self.dcfg.target_layer_ids} include the target's last layer "
-                f"({num_layers - 1}); SGLang captures hidden states before a layer runs, so the last layer's output "
-                "cannot be captured. Use a draft trained on earlier layers."
-            )
-        target.set_dflash_layers_to_capture(list(self.dcfg.target_layer_ids))
+        capture_target_layers(target, list(self.dcfg.target_layer_ids),
+                              self.target_runner.model_config.hf_text_config.num_hidden_layers)
         self.embed = target.get_input_embeddings()
         # under tensor parallelism: this rank's vocabulary shard (`tp`); every rank's accept is rank 0's
         self.lm_head_weight, self.vocab_start, vocab_split = lm_head_shard(target.lm_head)
@@ -77,9 +63,6 @@ class DFlashWorker(BaseSpecWorker):
         self.mask_token_id = int(self.dcfg.mask_token_id)
 
         self.backend = args.attention_backend or "flashinfer"
-        # FlashInfer's TARGET_VERIFY reads `seq_lens` as the committed prefix (the block is added by
-        # `generate_attn_arg_prefill`); torch_native reads it as the full KV length and needs extend lens.
-        self.paged_verify = self.backend != "torch_native"
         self._draft_worker = self._build_draft_worker(server_args, gpu_id, ps, nccl_port)
         self.draft_runner = self._draft_worker.model_runner
         self.draft_model: SGLangDFlashDraft = self.draft_runner.model
@@ -91,7 +74,7 @@ class DFlashWorker(BaseSpecWorker):
         adaptive = AdaptiveConfig.parse(args.speculative_adaptive_config, self.block_size)
         self.widths = StepWidths(adaptive, self.block_size, self.device, self.tp_group,
                                  overlap=not args.disable_overlap_schedule)
-        self.step_graphs: StepGraphs | None = None  # the whole step as CUDA graphs (init_cuda_graphs, FlashInfer)
+        self.step_graphs: step_graphs.StepGraphs | None = None  # the whole step as CUDA graphs (init_cuda_graphs)
         self._models: StepModels | None = None
         self.state_commit: hybrid.StateCommit | None = None  # hybrid targets (init_attention_backends)
         logger.info(
@@ -110,9 +93,10 @@ class DFlashWorker(BaseSpecWorker):
                 draft_model=self.draft_model, target_model=self.target_runner.model,
                 draft_backend=self.draft_runner.attn_backend, target_backend=self.target_runner.attn_backend,
                 embed=self.embed, lm_head_weight=self.lm_head_weight,
-                draft_logits=functools.partial(draft_logits, self.dcfg), commit_kv=self.commit_kv,
+                draft_logits=functools.partial(draft_logits, self.dcfg),
+                commit_kv=functools.partial(self.draft_model.write_context_kv, kv_pool=self.draft_runner.token_to_kv_pool),
                 req_to_token=self.target_runner.req_to_token_pool.req_to_token, mask_token_id=self.mask_token_id,
-                block_size=self.block_size, paged_verify=self.paged_verify, vocab_start=self.vocab_start,
+                block_size=self.block_size, paged_verify=self.backend != "torch_native", vocab_start=self.vocab_start,
                 vocab_group=self.vocab_group)
         return self._models
 
@@ -137,62 +121,36 @@ class DFlashWorker(BaseSpecWorker):
         self.state_commit = hybrid.state_commit(self.target_runner)
 
     def init_cuda_graphs(self):
-        """Capture the draft runner's graphs (the target's are captured by its own worker first), then, on FlashInfer
-        with one fa2 wrapper per model, the decode step for the same batch sizes (`StepGraphs`)."""
+        """Capture the draft runner's graphs (the target's are captured by its own worker first), then the decode
+        step for the same batch sizes where it can be (`step_graphs.capture`)."""
         super().init_cuda_graphs()
-        runners = (self.target_runner, self.draft_runner)
-        if not str(self.device).startswith("cuda") or any(r.decode_cuda_graph_runner is None for r in runners):
-            return
-        if self.state_commit is not None:
-            logger.info("sglang-dflash: hybrid target: the decode step runs eagerly (its CUDA graph is not built "
-                        "for linear-attention states)")
-            return
-        if self.backend != "flashinfer" or not all(r.attn_backend.num_wrappers == 1
-                                                   and r.attn_backend.prefill_backend == "fa2" for r in runners):
-            logger.info("sglang-dflash: the decode step runs eagerly (its CUDA graph needs FlashInfer's fa2 prefill "
-                        "with one wrapper per model)")
-            return
-        unchecked = compat.unchecked_flashinfer()
-        if unchecked:
-            logger.info("sglang-dflash: the decode step runs eagerly (host attention plan): %s", unchecked)
-            return
-        sizes = sorted(set.intersection(*(set(r.decode_cuda_graph_runner.capture_bs) for r in runners)))
-        widths = self.widths.possible_widths()
-        self.step_graphs = StepGraphs(self.models, sizes, widths, self.target_runner.model_config.vocab_size,
-                                      self.device)
-        logger.info("sglang-dflash: decode step captured as one CUDA graph for batch sizes %s x verify widths %s",
-                    sizes, widths)
+        self.step_graphs = step_graphs.capture(self.models, (self.target_runner, self.draft_runner), self.backend,
+                                               self.state_commit is not None, self.widths.possible_widths(),
+                                               self.device)
 
     @property
     def spec_v2_attn_backends(self) -> tuple:
         """The backends whose ``needs_cpu_seq_lens`` decides whether SGLang's FutureMap mirrors the committed lengths
         to the host each step (read once, after `init_cuda_graphs`). The step graphs plan attention on the device,
         so with them there is none: no mirror, and the host enqueues the next step without waiting for this one
-        (a batch larger than every capture reads its lengths itself, `phase_step`)."""
-        if self.step_graphs is not None:
-            return ()
-        return (self.target_runner.attn_backend, self.draft_runner.attn_backend)
+        (a batch larger than every capture reads its lengths itself, `decode`)."""
+        return () if self.step_graphs is not None else (self.target_runner.attn_backend, self.draft_runner.attn_backend)
 
     def alloc_memory_pool(self, memory_pool_config=None, req_to_token_pool=None, token_to_kv_pool_allocator=None):
-        self._draft_worker.alloc_memory_pool(
-            memory_pool_config=memory_pool_config,
-            req_to_token_pool=req_to_token_pool,
-            token_to_kv_pool_allocator=token_to_kv_pool_allocator,
-        )
-        self.req_to_token_pool = req_to_token_pool
-        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        """The draft's KV pool, on the target's request rows and token slots."""
+        self._draft_worker.alloc_memory_pool(memory_pool_config=memory_pool_config, req_to_token_pool=req_to_token_pool,
+                                             token_to_kv_pool_allocator=token_to_kv_pool_allocator)
+        self.req_to_token_pool, self.token_to_kv_pool_allocator = req_to_token_pool, token_to_kv_pool_allocator
 
     # ---- online weight updates (RL weight sync) ----------------------------------------
     # SGLang loads new target weights in place (so the borrowed embeddings / lm_head and the step graphs' pointers
     # follow) and flushes the KV cache, the draft's included, unless asked not to. The draft keeps its weights:
     # outputs stay exactly the updated target's; only the acceptance may drop until the drafter is retrained.
     def update_weights_from_disk(self, recv_req):
-        """Called after the target worker loaded ``recv_req.model_path`` (a target checkpoint)."""
+        """Called after the target worker loaded new weights (a target checkpoint, or weights sent by IPC)."""
         return True, "Succeeded to update model weights (target; the DFlash draft keeps its own)."
 
-    def update_weights_from_ipc(self, recv_req):
-        """Called after the target worker took the new weights."""
-        return True, "Succeeded to update model weights (target; the DFlash draft keeps its own)."
+    update_weights_from_ipc = update_weights_from_disk
 
     def weight_update_runners(self) -> list:
         """The runners SGLang's weight updates load into besides the target's (SGLang 0.5.23+): none."""
@@ -218,70 +176,43 @@ class DFlashWorker(BaseSpecWorker):
 
     def decode(self, batch) -> GenerationBatchResult:
         """One DFLASH decode step of ``batch`` (`step.decode_step`: graph replay or eager) and its accept."""
-        state: DFlashDraftState = batch.spec_info
+        bonus = batch.spec_info.bonus_tokens
         seq_lens, rows = batch.seq_lens.to(torch.int64), batch.req_pool_indices.to(torch.int64)
         bs = batch.batch_size()
-        width, timing = self.widths.choose(bs)
-        graphed = (self.step_graphs is not None and self.step_graphs.padded_size(bs) is not None
-                   and width in self.step_graphs.widths)
+        width = self.widths.choose(bs)
+        graphed = self.step_graphs is not None and self.step_graphs.serves(bs, width)
         if graphed:
-            res = self.step_graphs.replay(state.bonus_tokens, seq_lens, rows, width)
+            res = self.step_graphs.replay(bonus, seq_lens, rows, width)
         else:  # host plan: the lengths on the host (copied here when SGLang did not mirror them)
             if batch.seq_lens_cpu is None:
                 batch.seq_lens_cpu = batch.seq_lens.cpu()
-            b = StepBatch(self.models, state.bonus_tokens, seq_lens, rows, seq_lens_cpu=batch.seq_lens_cpu,
-                          width=width)
+            b = StepBatch(self.models, bonus, seq_lens, rows, seq_lens_cpu=batch.seq_lens_cpu, width=width)
             res = decode_step(self.models, b, HostPlan())
-        logits_output = LogitsProcessorOutput(next_token_logits=res.logits)
         if plain_greedy(batch):
-            accept_lens, bonus, committed, new_seq_lens = res.accept_lens, res.bonus_tokens, res.committed, res.new_seq_lens
+            accepted = res.accept_lens, res.bonus_tokens, res.committed, res.new_seq_lens
         else:
             accepted = self.sampler.accept(batch, res.draft_tokens, res.logits)
             if self.tp_group is not None:  # sampled on every rank: rank 0's draw decides
                 accepted = agree_on_accept(accepted, self.tp_group)
-            accept_lens, bonus, committed, new_seq_lens = accepted
+        accept_lens, _, committed, _ = accepted
         if self.state_commit is not None:  # hybrid target: linear-attention states after the committed tokens
             self.state_commit(accept_lens)
+        result = decode_result(res.logits, accepted, width, self.block_size, graphed)
         if batch.return_logprob:
-            self.sampler.attach_logprobs(batch, logits_output, committed)
-        self.widths.finish(timing, bs, width, accept_lens)
-        return GenerationBatchResult(
-            logits_output=logits_output,
-            next_token_ids=committed.reshape(-1),
-            accept_lens=(accept_lens + 1).to(torch.int32),
-            can_run_cuda_graph=graphed,
-            next_draft_input=DFlashDraftState(bonus_tokens=bonus, block_size=self.block_size),
-            speculative_num_draft_tokens=width,  # the stride of next_token_ids / logprobs per request
-            new_seq_lens=new_seq_lens,
-        )
+            self.sampler.attach_logprobs(batch, result.logits_output, committed)
+        self.widths.finish(accept_lens)
+        return result
 
     def prefill(self, batch) -> GenerationBatchResult:
+        """The target's extend with hidden-state capture, then the draft's context K/V of the extended tokens."""
         self.widths.interrupt()
         out = self.target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
-        prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64)
-        lens = torch.tensor(batch.extend_lens, dtype=torch.int64)
-        positions = torch.repeat_interleave(prefix, lens) + (
-            torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
-        )
-        self.commit_kv(out.logits_output.hidden_states, positions.to(self.device), batch.out_cache_loc)
-        out.logits_output.hidden_states = None
-        out.new_seq_lens = batch.seq_lens
-        out.next_draft_input = DFlashDraftState(bonus_tokens=out.next_token_ids.to(torch.int64),
-                                                block_size=self.block_size)
-        return out
+        self.models.commit_kv(out.logits_output.hidden_states, extend_positions(batch).to(self.device),
+                              batch.out_cache_loc)
+        return prefill_result(out, batch, self.block_size)
 
     def idle(self) -> GenerationBatchResult:
-        empty = torch.empty((0,), dtype=torch.int64, device=self.device)
-        return GenerationBatchResult(
-            next_token_ids=empty, accept_lens=empty.to(torch.int32), new_seq_lens=empty,
-            next_draft_input=DFlashDraftState(bonus_tokens=empty, block_size=self.block_size),
-            speculative_num_draft_tokens=self.block_size,
-        )
-
-    def commit_kv(self, aux_hidden: torch.Tensor, positions: torch.Tensor, cache_loc: torch.Tensor) -> None:
-        """The draft's context K/V of tokens whose target hidden states ``aux_hidden`` [N, n_ids*H] were captured,
-        at their ``positions`` [N] and KV slots ``cache_loc`` [N]."""
-        self.draft_model.write_context_kv(aux_hidden, positions, cache_loc, self.draft_runner.token_to_kv_pool)
+        return idle_result(self.device, self.block_size)
 
 
 def call_kind(batch) -> str:
