@@ -72,7 +72,8 @@ FAMILIES = {
                      swiglu_limit=7.0, layer_types=_every(2, 8, "full_attention", "sliding_attention")), {}),
     "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", "Gemma4ForCausalLM",
                dict(_SMALL, hidden_size_per_layer_input=64, global_head_dim=64, sliding_window=128,
-                    layer_types=_every(4, 8, "full_attention", "sliding_attention")), {}),
+                    layer_types=_every(4, 8, "full_attention", "sliding_attention")),
+               {"swa_num_key_value_heads": 2, "swa_head_dim": 64}),  # SGLang's sliding-window pool reads these
     # MLA: DeepSeek-V2-Lite's layout, first layer dense, the rest MoE.
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", "DeepseekV2ForCausalLM",
                     dict({k: v for k, v in _SMALL.items() if k != "head_dim"}, q_lora_rank=None, kv_lora_rank=128,
@@ -114,10 +115,11 @@ def build(shape: str, out: Path, device: str, seed: int = 0) -> tuple[Path, Path
 
 
 def build_family(family: str, out: Path, device: str, seed: int = 0, draft_layers: int = 2,
-                 block_size: int = BLOCK_SIZE) -> tuple[Path, Path]:
-    """Write ``out/target`` (a random bf16 target of ``family``, `FAMILIES`) and ``out/draft`` (a random
-    ``draft_layers``-layer z-lab-format draft for it); returns their paths."""
+                 block_size: int = BLOCK_SIZE, **sizes) -> tuple[Path, Path]:
+    """Write ``out/target`` (a random bf16 target of ``family``, `FAMILIES`; ``sizes`` override its config
+    fields) and ``out/draft`` (a random ``draft_layers``-layer z-lab-format draft for it); returns their paths."""
     cfg_cls, model_cls, arch, fields, attrs = FAMILIES[family]
+    fields = {**fields, **sizes}
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
     cfg = getattr(transformers, cfg_cls)(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,

@@ -8,11 +8,20 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
-_spec = importlib.util.spec_from_file_location(
-    "bench_dflash", Path(__file__).resolve().parent.parent / "benchmarks" / "bench_dflash.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+
+
+def _bench_module(name: str):
+    """``benchmarks/<name>.py`` as a module (the benchmarks are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent.parent / "benchmarks" /
+                                                  f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _bench_module("bench_dflash")
 
 
 def test_median_row_takes_the_median_of_successful_passes_and_their_spread():
@@ -242,10 +251,7 @@ def test_random_checkpoints_load_as_target_and_draft(tmp_path):
 
     from sglang_dflash.model import load_draft
 
-    spec = importlib.util.spec_from_file_location(
-        "random_checkpoints", Path(__file__).resolve().parent.parent / "benchmarks" / "random_checkpoints.py")
-    rc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rc)
+    rc = _bench_module("random_checkpoints")
     assert rc.spread_layers(36, 5) == [1, 9, 17, 25, 33]
     target_dir, draft_dir = rc.build("tiny", tmp_path, "cpu")
     cfg = AutoConfig.from_pretrained(target_dir)
@@ -255,3 +261,48 @@ def test_random_checkpoints_load_as_target_and_draft(tmp_path):
     assert (cfg.architectures, cfg.num_hidden_layers, draft.cfg.num_hidden_layers) == (["Qwen3ForCausalLM"], 12, 5)
     assert len(set(ids)) == 5 and max(ids) < cfg.num_hidden_layers - 1
     assert (target_dir / "tokenizer.json").exists()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next", "gpt_oss", "gemma4",
+                                    "deepseek_v2"])
+def test_family_checkpoints_are_read_by_sglang(family, tmp_path):
+    """The architecture matrix's targets (`random_checkpoints.build_family`, shrunk here) are read by SGLang's
+    ModelConfig as the family they stand for -- hybrid ones with a linear-attention state -- and the draft built
+    for each validates against it."""
+    from sglang.srt.configs.hybrid_arch import mambaish_config
+    from sglang.srt.configs.model_config import ModelConfig
+    from transformers import AutoConfig
+
+    from sglang_dflash.model import load_draft
+
+    rc = _bench_module("random_checkpoints")
+    assert sorted(rc.FAMILIES) == sorted(["llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next", "gpt_oss", "gemma4",
+                                          "deepseek_v2"])
+    target_dir, draft_dir = rc.build_family(family, tmp_path, "cpu", hidden_size=64, intermediate_size=128)
+    model_config = ModelConfig(str(target_dir))
+    assert model_config.hf_config.architectures == [rc.FAMILIES[family][2]]
+    assert (mambaish_config(model_config) is not None) == (family in ("qwen3_5", "qwen3_next"))
+    assert model_config.dtype == torch.bfloat16
+    draft = load_draft(draft_dir)
+    draft.cfg.validate_target(AutoConfig.from_pretrained(target_dir))
+    assert (draft.cfg.num_hidden_layers, draft.cfg.head_dim, draft.cfg.block_size) == (2, 64, 16)
+
+
+def test_arch_matrix_chi_square_tells_one_distribution_from_another_and_prompts_share_a_prefix():
+    import random
+    from collections import Counter
+
+    from transformers import AutoTokenizer
+
+    from sglang_dflash.assets import smollm2_path
+
+    matrix = _bench_module("arch_matrix")
+    rng = random.Random(0)
+    draw = lambda weights: Counter(rng.choices(range(20), weights=weights, k=1024))  # noqa: E731
+    skewed = list(range(1, 21))
+    assert matrix.chi2_p(draw(skewed), draw(skewed)) > 0.05
+    assert matrix.chi2_p(draw(skewed), draw([1] * 20)) < 1e-6
+    prompts, follow = matrix.prompts(AutoTokenizer.from_pretrained(smollm2_path()))
+    shared = prompts[0][:150]
+    assert len(prompts) == 32 and len({tuple(p) for p in prompts}) == 32 and follow
+    assert all(p[:150] == shared for p in prompts) and min(map(len, prompts)) < 200 < max(map(len, prompts))
