@@ -87,7 +87,7 @@ def test_changed_pyproject_or_python_installs_again(fake_repo, monkeypatch):
 def test_failed_install_leaves_no_stamp(fake_repo, monkeypatch):
     repo, calls = fake_repo
 
-    def failing_pip(python):
+    def failing_pip(python, sglang):
         raise bootstrap.subprocess.CalledProcessError(1, ["pip"])
 
     monkeypatch.setattr(bootstrap, "install", failing_pip)
