@@ -1,4 +1,5 @@
-"""The test command: `python tests/run.py [--fast] [--sglang VERSION] [pytest args]` (installs what it needs on first use).
+"""The test command: `python tests/run.py [--fast] [--sglang VERSION] [pytest args]` (installs what it needs on
+first use).
 
 Stages, each one pytest process with the given pytest args, in order: on the default SGLang (`.venv`, or this
 interpreter when it has everything) the fast tier (every test under ``tests/`` without the ``server`` marker: no
