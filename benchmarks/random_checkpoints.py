@@ -94,53 +94,47 @@ def spread_layers(num_layers: int, n: int) -> list[int]:
 def build(shape: str, out: Path, device: str, seed: int = 0) -> tuple[Path, Path]:
     """Write ``out/target`` and ``out/draft``; returns their paths."""
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
-    torch.manual_seed(seed)
     cfg = Qwen3Config(vocab_size=len(tokenizer), max_position_embeddings=8192, rope_theta=1_000_000.0,
                       tie_word_embeddings=False, rms_norm_eps=1e-6, bos_token_id=tokenizer.bos_token_id,
                       eos_token_id=tokenizer.eos_token_id, torch_dtype="bfloat16", **SHAPES[shape])
-    with torch.device(device):
-        target = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
-    target_dir, draft_dir = out / "target", out / "draft"
-    target.save_pretrained(target_dir)
-    tokenizer.save_pretrained(target_dir)
-    mask_id = tokenizer.convert_tokens_to_ids(tokenizer.special_tokens_map.get("pad_token", tokenizer.eos_token))
-    dcfg = DFlashDraftConfig.from_target(cfg, num_hidden_layers=DRAFT_LAYERS, block_size=BLOCK_SIZE,
-                                         mask_token_id=int(mask_id),
-                                         target_layer_ids=spread_layers(cfg.num_hidden_layers, DRAFT_LAYERS),
-                                         torch_dtype="bfloat16")
-    with torch.device(device):
-        draft = DFlashDraftModel(dcfg).to(torch.bfloat16)
-    save_draft(draft, draft_dir)
-    return target_dir, draft_dir
+    return _write(Qwen3ForCausalLM, cfg, tokenizer, out, device, seed, DRAFT_LAYERS, BLOCK_SIZE)
 
 
 def build_family(family: str, out: Path, device: str, seed: int = 0, draft_layers: int = 2,
                  block_size: int = BLOCK_SIZE, **sizes) -> tuple[Path, Path]:
     """Write ``out/target`` (a random bf16 target of ``family``, `FAMILIES`; ``sizes`` override its config
-    fields) and ``out/draft`` (a random ``draft_layers``-layer z-lab-format draft for it); returns their paths."""
+    fields) and ``out/draft`` (a random ``draft_layers``-layer z-lab-format draft for it); returns their paths.
+    The draft's attention is its own: Qwen3 layers with plain RoPE and head_dim 64, like z-lab's (a target's YaRN
+    or MLA head sizes are not the draft's)."""
     cfg_cls, model_cls, arch, fields, attrs = FAMILIES[family]
-    fields = {**fields, **sizes}
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
     cfg = getattr(transformers, cfg_cls)(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                                         **fields)
+                                         **{**fields, **sizes})
     for k, v in attrs.items():
         setattr(cfg, k, v)
     cfg.architectures = [arch]
+    return _write(getattr(transformers, model_cls), cfg, tokenizer, out, device, seed, draft_layers, block_size,
+                  rope_scaling=None, head_dim=64)
+
+
+def _write(model_cls, cfg, tokenizer, out: Path, device: str, seed: int, draft_layers: int, block_size: int,
+           **draft_fields) -> tuple[Path, Path]:
+    """A random bf16 ``model_cls(cfg)`` with ``tokenizer`` to ``out/target``, and a random z-lab-format draft for
+    it (``draft_layers`` layers on target layers spread over the depth, ``draft_fields`` over the target's shape)
+    to ``out/draft``."""
     torch.manual_seed(seed)
     with torch.device(device):
-        target = getattr(transformers, model_cls)(cfg).to(torch.bfloat16)
+        target = model_cls(cfg).to(torch.bfloat16)
     target.config.torch_dtype = "bfloat16"
     target_dir, draft_dir = out / "target", out / "draft"
     target.save_pretrained(target_dir)
     tokenizer.save_pretrained(target_dir)
     mask_id = tokenizer.convert_tokens_to_ids(tokenizer.special_tokens_map.get("pad_token", tokenizer.eos_token))
-    # the draft's own attention: Qwen3 layers with plain RoPE and head_dim 64 (z-lab's drafts; a target's YaRN or MLA
-    # head sizes are not theirs)
     dcfg = DFlashDraftConfig.from_target(cfg, num_hidden_layers=draft_layers, block_size=block_size,
                                          mask_token_id=int(mask_id),
                                          target_layer_ids=spread_layers(cfg.num_hidden_layers, draft_layers),
-                                         torch_dtype="bfloat16", rope_scaling=None, head_dim=64)
+                                         torch_dtype="bfloat16", **draft_fields)
     with torch.device(device):
         draft = DFlashDraftModel(dcfg).to(torch.bfloat16)
     save_draft(draft, draft_dir)

@@ -257,3 +257,23 @@ def test_prefill_then_decode_equals_a_longer_prefill(conv_env, lens, chunk):
 def test_a_bfloat16_conv_state_parts_a_continuation_from_a_longer_prefill():
     """SGLang's default conv state dtype, for a float32 model: the cause of the partings in benchmarks/HYBRID.md."""
     assert continuation_gap(torch.bfloat16, [5, 70], m=4) > 1e-3
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+def test_fused_gated_rmsnorm_matches_qwen3_next_reference(rows):
+    """Qwen3-Next's GDN output norm on CPU (`fused_rms_norm_gated`, around SGLang's Triton-only
+    ``FusedRMSNormGated``) against transformers' ``Qwen3NextRMSNormGated``: weight * rmsnorm(x) * silu(gate)."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
+
+    from sglang_dflash.adapter.cpu_linear_attn import fused_rms_norm_gated
+
+    torch.manual_seed(rows)
+    ref = Qwen3NextRMSNormGated(48, eps=1e-6)
+    with torch.no_grad():
+        ref.weight.normal_()
+    x, gate = torch.randn(rows, 48) * 3, torch.randn(rows, 48)
+    norm = SimpleNamespace(eps=1e-6, weight=ref.weight.detach(), activation="silu")
+    got = fused_rms_norm_gated(None, norm, x, gate)
+    torch.testing.assert_close(got, ref(x, gate), rtol=1e-5, atol=1e-5)
+    sigmoid = fused_rms_norm_gated(None, SimpleNamespace(eps=1e-6, weight=None, activation="sigmoid"), x, gate)
+    torch.testing.assert_close(sigmoid, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * torch.sigmoid(gate))

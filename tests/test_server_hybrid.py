@@ -1,5 +1,5 @@
 """DFLASH on a hybrid target (Gated DeltaNet + full attention): a tiny random Qwen3.5-shaped model
-(``harness.models.make_tiny_qwen3_5``) served on CPU in float32, where SGLang's GDN paths run on the plugin's torch
+(``harness.models.make_tiny_qwen3_5``; once with Qwen3-Next's MoE blocks) served on CPU in float32, where SGLang's GDN paths run on the plugin's torch
 ops (``sglang_dflash.adapter.cpu_linear_attn``) and greedy output is exact.
 
 The reference is the target's greedy output computed by transformers (prefill + token-by-token recurrent decode
@@ -48,14 +48,23 @@ FOLLOW_UP = [11, 12, 13, 14, 15, 16, 17]  # the user's second turn, appended to 
 STARTUP = 900.0  # s: a CPU server shares 2 cores with the rest of the suite
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def _models(root, num_experts: int = 0):
+    """A tiny random target (Qwen3.5 dense, or Qwen3-Next with ``num_experts`` MoE experts), a random draft."""
     from sglang_dflash.assets import smollm2_path
 
-    root = tmp_path_factory.mktemp("hybrid")
-    target = make_tiny_qwen3_5(root / "target", smollm2_path())
+    target = make_tiny_qwen3_5(root / "target", smollm2_path(), num_experts=num_experts)
     draft = make_random_drafter(root / "draft", target, block_size=BLOCK_SIZE)
     return target, draft, root
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return _models(tmp_path_factory.mktemp("hybrid"))
+
+
+@pytest.fixture(scope="module")
+def next_models(tmp_path_factory):
+    return _models(tmp_path_factory.mktemp("qwen3-next"), num_experts=4)
 
 
 def serve_conversations(model, extra_args, env=None, log_path=None):
@@ -93,6 +102,15 @@ def transformers_greedy(model_dir, prompts) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(models):
+    return _reference(models)
+
+
+@pytest.fixture(scope="module")
+def next_reference(next_models):
+    return _reference(next_models)
+
+
+def _reference(models):
     """The target's greedy outputs for both turns (transformers), and the oracle draft's file of them."""
     target, _, root = models
     first = transformers_greedy(target, PROMPTS)
@@ -113,9 +131,26 @@ def accept_counts(metas) -> Counter:
 
 
 def test_hybrid_dflash_greedy_identical_with_every_accept_length(models, reference, tmp_path):
+    _assert_identical_with_every_accept_length(models, reference, tmp_path)
+
+
+def test_qwen3_next_moe_hybrid_dflash_greedy_identical_with_every_accept_length(next_models, next_reference,
+                                                                               tmp_path):
+    """The same on Qwen3-Next's layout: MoE blocks (top-2 of 4 experts and a gated shared expert, SGLang's native
+    CPU MoE) between the Gated DeltaNet and full-attention layers."""
+    # SGLang 0.5.17 picks the extra_buffer radix-cache strategy for Qwen3-Next on CPU too, then refuses it there
+    # ("extra_buffer needs CUDA"), with or without speculative decoding; no_buffer it takes without the overlap
+    # schedule only
+    _assert_identical_with_every_accept_length(next_models, next_reference, tmp_path,
+                                               ["--mamba-radix-cache-strategy", "no_buffer",
+                                                "--disable-overlap-schedule"])
+
+
+def _assert_identical_with_every_accept_length(models, reference, tmp_path, extra_args=()):
     target, draft, _ = models
     ref, oracle = reference
-    got, metas = serve_conversations(target, dflash_args(draft), {"SGLANG_DFLASH_TEST_ORACLE_DRAFT": str(oracle)},
+    got, metas = serve_conversations(target, [*dflash_args(draft), *extra_args],
+                                     {"SGLANG_DFLASH_TEST_ORACLE_DRAFT": str(oracle)},
                                         log_path=tmp_path / "dflash.log")
     log = (tmp_path / "dflash.log").read_text()
     assert "TEST: oracle draft" in log and "SGLANG_MAMBA_CONV_DTYPE=float32" in log

@@ -5,9 +5,10 @@ On a CPU SGLang's Qwen3.5 / Qwen3-Next models and its Gated DeltaNet backend (``
 the model module is imported, so without them the model class is missing altogether). `register_ops` defines the
 missing ones here, in float32 torch with the semantics of SGLang's Triton kernels for the same call sites; a native
 CPU build, when installed, keeps its own. `causal_conv1d_update_with_windows` additionally serves the verify forward
-of speculative decoding (SGLang's CPU wrapper takes no per-step window buffer) and `rms_norm_gated` the gated
-RMSNorm (a Triton kernel without sgl-kernel's CPU build), and `mamba_pool_on_cpu` the state pool's verify scratch
-(allocated on "cuda" by SGLang); `plugin.register` installs them on a CPU host (`register_hooks`).
+of speculative decoding (SGLang's CPU wrapper takes no per-step window buffer), `rms_norm_gated` and
+`fused_rms_norm_gated` the gated RMSNorms and `gate_sigmoid_mul_add` Qwen3-Next's shared-expert gate (Triton
+kernels without sgl-kernel's CPU build), and `mamba_pool_on_cpu` the state pool's verify scratch (allocated on
+"cuda" by SGLang); `plugin.register` installs them on a CPU host (`register_hooks`).
 
 Layouts (SGLang's): the recurrent state pool is ``[slots, HV, V, K]`` (one ``V x K`` matrix per value head; the
 recurrence below runs on its transpose ``h [K, V]``), the conv state pool ``[slots, dim, W - 1]``, the verify
@@ -317,6 +318,35 @@ def rms_norm_gated(original, norm, x, z=None):
                                         norm_before_gate=norm.norm_before_gate)
 
 
+def fused_rms_norm_gated(original, norm, x, g, residual=None, prenorm=False, residual_in_fp32=False):
+    """Around SGLang's fused gated RMSNorm (``fla.fused_norm_gate.FusedRMSNormGated.forward``, Qwen3-Next's GDN
+    output norm): on CPU without sgl-kernel's CPU build its Triton kernel cannot run; the kernel's arithmetic in
+    float32 torch instead: x ``[..., D]`` RMS-normalised over D, times the weight, times act(g) (swish: g *
+    sigmoid(g); sigmoid: sigmoid(g))."""
+    from sglang.kernels.ops.attention.fla import fused_norm_gate
+
+    if x.device.type != "cpu" or fused_norm_gate._use_cpu:
+        return original(norm, x, g, residual=residual, prenorm=prenorm, residual_in_fp32=residual_in_fp32)
+    if residual is not None or prenorm:
+        raise NotImplementedError("sglang-dflash: the fused gated RMSNorm with a residual on CPU")
+    xf, gf = x.float(), g.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)
+    if norm.weight is not None:
+        y = y * norm.weight.float()
+    y = y * (gf * torch.sigmoid(gf) if norm.activation in ("swish", "silu") else torch.sigmoid(gf))
+    return y.to(x.dtype)
+
+
+def gate_sigmoid_mul_add(original, hidden_states, gate_weight, shared_output, final_hidden_states):
+    """Around SGLang's fused shared-expert gate of its Qwen2-MoE-family blocks (Qwen3-Next's; a Triton kernel):
+    on CPU ``final_hidden_states [T, D] += sigmoid(hidden_states [T, D] @ gate_weight [D]) * shared_output [T, D]``
+    in torch, in place like the kernel."""
+    if hidden_states.device.type != "cpu":
+        return original(hidden_states, gate_weight, shared_output, final_hidden_states)
+    gate = torch.sigmoid(hidden_states.float() @ gate_weight.float()).unsqueeze(1)
+    final_hidden_states.add_((gate * shared_output.float()).to(final_hidden_states.dtype))
+
+
 # ------------------------------------------------------------------------------------------------ registration
 
 def register_ops() -> None:
@@ -362,6 +392,10 @@ HOOKS = {
         causal_conv1d_update_with_windows,
         ["mixed_qkv", "conv_states", "conv_weights", "bias", "activation", "conv_state_indices"]),
     "sglang.kernels.ops.attention.fla.layernorm_gated.RMSNorm.forward": (rms_norm_gated, ["self", "x", "z"]),
+    "sglang.kernels.ops.attention.fla.fused_norm_gate.FusedRMSNormGated.forward": (
+        fused_rms_norm_gated, ["self", "x", "g", "residual", "prenorm", "residual_in_fp32"]),
+    "sglang.srt.models.qwen2_moe.fused_gate_sigmoid_mul_add": (
+        gate_sigmoid_mul_add, ["hidden_states", "gate_weight", "shared_output", "final_hidden_states"]),
     "sglang.srt.mem_cache.memory_pool.MambaPool.__init__": (mamba_pool_on_cpu, ["self"]),
 }
 

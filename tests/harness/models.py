@@ -103,17 +103,21 @@ def make_tiny_qwen3_5(
     linear_head_dim: int = 16,
     intermediate_size: int = 128,
     init_std: float = 0.2,
+    num_experts: int = 0,
 ) -> Path:
     """Write a random float32 hybrid ``Qwen3_5ForCausalLM`` (``model_type`` ``qwen3_5_text``: Gated DeltaNet
     layers with a full-attention layer every ``full_attention_interval``, dense MLPs -- the Qwen3.5 dense family,
-    Qwen3-Next-shaped without the MoE) plus tokenizer to ``out_dir``.
+    Qwen3-Next-shaped without the MoE) plus tokenizer to ``out_dir``. With ``num_experts`` > 0 the same layers
+    carry Qwen3-Next's MoE blocks instead (``Qwen3NextForCausalLM``: top-2 of ``num_experts`` experts of
+    ``intermediate_size`` plus a gated shared expert).
 
     The config carries both ``layer_types`` (what transformers reads) and ``full_attention_interval`` (what SGLang's
     ``Qwen3NextConfig`` derives its layer types from). Matrices (embeddings, projections, the depthwise conv) are
     N(0, ``init_std``) like :func:`make_tiny_llama`; the 1-D parameters keep transformers' init (RMSNorm weights,
     ``A_log`` = log U(0, 16), ``dt_bias`` = 1), so the recurrent decays stay in their trained range.
     """
-    from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import (AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3NextConfig,
+                              Qwen3NextForCausalLM)
 
     if num_hidden_layers % full_attention_interval:
         raise ValueError(f"num_hidden_layers={num_hidden_layers} is not a multiple of "
@@ -123,7 +127,13 @@ def make_tiny_qwen3_5(
     tok = AutoTokenizer.from_pretrained(out_dir)
     layer_types = ["full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention"
                    for i in range(num_hidden_layers)]
-    cfg = Qwen3_5TextConfig(
+    moe = dict(num_experts=num_experts, num_experts_per_tok=2, moe_intermediate_size=intermediate_size,
+               shared_expert_intermediate_size=intermediate_size, decoder_sparse_step=1, mlp_only_layers=[],
+               norm_topk_prob=True) if num_experts else {}
+    config_cls, model_cls = (Qwen3NextConfig, Qwen3NextForCausalLM) if num_experts else (Qwen3_5TextConfig,
+                                                                                          Qwen3_5ForCausalLM)
+    cfg = config_cls(
+        **moe,
         vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads, head_dim=head_dim, linear_num_key_heads=linear_num_key_heads,
@@ -133,9 +143,9 @@ def make_tiny_qwen3_5(
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
     )
     cfg.full_attention_interval = full_attention_interval
-    cfg.architectures = ["Qwen3_5ForCausalLM"]
+    cfg.architectures = [model_cls.__name__]
     torch.manual_seed(seed)
-    model = Qwen3_5ForCausalLM(cfg).to(torch.float32)
+    model = model_cls(cfg).to(torch.float32)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
