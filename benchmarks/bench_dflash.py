@@ -388,7 +388,8 @@ def main():
                     "its cells by concurrency, lowest first, so a time budget cuts the costliest)")
     ap.add_argument("--startup-timeout", type=float, default=480)
     ap.add_argument("--time-budget", type=float, default=None,
-                    help="seconds of load after which no further cell starts (the rest are reported as not run)")
+                    help="seconds of load after which no further cell starts (the rest are reported as not run); "
+                         "with --serial-workloads, per workload")
     ap.add_argument("--server-flags", default=" ".join(SERVER_FLAGS), help="flags every server gets")
     ap.add_argument("--serial-workloads", action="store_true",
                     help="start one workload's servers at a time (its own no-spec server for bound_accept_none), "
@@ -491,7 +492,9 @@ def main():
                 cells = [(w, impl, s, temp, conc) for (w, impl), s in up.items() for temp in temps for conc in concs
                          if (w == "real" or temp == 0) and (impl != "ours_profiled" or conc in (1, 16))]
                 passes.update({cell[:2] + cell[3:]: [] for cell in cells})
-                load_start = load_start or time.time()
+                # one budget for the whole run; with --serial-workloads one per workload, so a later workload's
+                # start-up does not spend the load time of its cells
+                load_start = time.time() if args.serial_workloads or load_start is None else load_start
                 for rep in range(args.repeats):
                     for w, impl, s, temp, conc in pass_order(cells):
                         if args.time_budget is not None and time.time() - load_start > args.time_budget:
