@@ -11,11 +11,12 @@ maximizes expected committed tokens per second of step time:
 
 ``S_k`` is estimated from the accept lengths of recent steps (counts over the rows that verified position k,
 decayed only when a step verifies it again, so a narrow phase keeps what wider steps saw; a position no step
-verified yet takes the prior, capped by ``S_{k-1}``), ``t(bs, w)`` from measured step times per (batch-size
-bucket, width). A new bucket starts from the nearest measured bucket's times; a width measured in neither is tried
-once; every ``explore_every`` steps of a bucket the width measured longest ago is tried again, so a change in
-either the acceptance or the cost is seen. Above ``max_batch_size`` requests every step is a plain decode step.
-Plain Python (no tensors): the caller hands in accept lengths and seconds it already has on the host.
+verified yet takes the prior, capped by ``S_{k-1}``), ``t(bs, w)`` from measured step times per (batch-size bucket,
+width). A new bucket starts from the nearest measured bucket's times; a width measured in neither is tried once
+(also when its time comes back steps later, as under the overlap schedule); every ``explore_every`` steps of a
+bucket the width measured longest ago is tried again, so a change in either the acceptance or the cost is seen.
+Above ``max_batch_size`` requests every step is a plain decode step. Plain Python (no tensors): the caller hands in
+accept lengths and seconds it already has on the host.
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ class WidthPolicy:
     seen: list[float] = field(init=False)
     costs: dict = field(init=False, default_factory=dict)  # (bucket, width) -> _Cost
     steps: dict = field(init=False, default_factory=dict)  # bucket -> steps chosen for it
+    trying: set = field(init=False, default_factory=set)  # (bucket, width) chosen to be measured, no time back yet
 
     def __post_init__(self):
         if not self.widths or any(not 1 <= w <= self.block_size for w in self.widths):
@@ -142,13 +144,17 @@ class WidthPolicy:
         n = self.steps[b] = self.steps.get(b, 0) + 1
         if n == 1:
             self._borrow_costs(b)
-        unmeasured = [w for w in self.widths if (b, w) not in self.costs]
-        if unmeasured:
-            return unmeasured[-1]
+        measured = [w for w in self.widths if (b, w) in self.costs]
+        untried = [w for w in self.widths if (b, w) not in self.costs and (b, w) not in self.trying]
+        if untried:  # tried once each; a trial's time may arrive steps later (the overlap schedule)
+            self.trying.add((b, untried[-1]))
+            return untried[-1]
+        if not measured:  # every width on trial, no time back yet
+            return self.widths[-1]
         if n % self.explore_every == 0:
-            return min(self.widths, key=lambda w: self.costs[(b, w)].last_step)
+            return min(measured, key=lambda w: self.costs[(b, w)].last_step)
         s = self.survival()
-        return max(self.widths, key=lambda w: sum(s[:w]) / self.costs[(b, w)].seconds)
+        return max(measured, key=lambda w: sum(s[:w]) / self.costs[(b, w)].seconds)
 
     def _borrow_costs(self, b: int) -> None:
         """A new bucket starts from the nearest measured bucket's step times (marked measured longest ago, so the
@@ -164,6 +170,7 @@ class WidthPolicy:
     def observe(self, bs: int, width: int, accept_lens: list[int], seconds: float) -> None:
         """A finished step: its width, the accepted draft count of each of its ``bs`` rows, its duration."""
         b = bucket(bs)
+        self.trying.discard((b, width))
         old = self.costs.get((b, width))
         smoothed = seconds if old is None else 0.8 * old.seconds + 0.2 * seconds
         self.costs[(b, width)] = _Cost(smoothed, self.steps.get(b, 0))

@@ -143,3 +143,23 @@ def test_every_width_is_measured_once_and_new_buckets_borrow_times():
         assert p.choose(20) == 1
         p.observe(20, 1, [0] * 20, 1.0)
     assert p.choose(20) in (4, 16)  # the 4th step of the bucket re-measures a borrowed width
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_each_width_is_tried_once_when_its_time_comes_back_late(lag):
+    """Under the overlap schedule a step's time reaches the policy ``lag`` steps later: a width on trial is not
+    tried again meanwhile (before, every width was tried ``lag + 1`` times), and the policy still settles on the
+    best width (everything accepted, flat cost: the whole block)."""
+    p = WidthPolicy(16, (1, 2, 4, 8, 16))
+    pending, chosen = [], []
+    for _ in range(40):
+        w = p.choose(1)
+        chosen.append(w)
+        pending.append(w)
+        if len(pending) > lag:
+            done = pending.pop(0)
+            p.observe(1, done, [done - 1], 1.0 + 0.01 * done)
+    trials = chosen[:5 + lag]
+    assert sorted(trials[:5]) == [1, 2, 4, 8, 16], chosen
+    assert all(w == 16 for w in trials[5:]), chosen  # every width on trial: the widest until a time comes back
+    assert chosen.count(1) == 1 and chosen.count(2) == 1 and chosen.count(4) == 1 and chosen.count(8) == 1, chosen
