@@ -66,6 +66,8 @@ PREFILL_GRAPH_TOKENS = "none"
 
 # sglang-dflash servers besides "ours" (adaptive verify width, the default): the envelope every cell compares with
 OURS_ADAPTIVE_CONFIG = {"ours_fixed": '{"adaptive": false}', "ours_w4": '{"widths": [4]}', "ours_w8": '{"widths": [8]}'}
+# Diagnostic servers, not in the envelope: ours pinned at width 1 (a plain decode step with the draft's context K/V).
+OURS_DIAGNOSTIC_CONFIG = {"ours_w1": '{"widths": [1]}'}
 
 
 def server_flags(base: str, prefill_graph_tokens: str) -> list[str]:
@@ -376,7 +378,8 @@ def main():
     ap.add_argument("--workloads", default="real,bound_accept_all,bound_accept_none")
     ap.add_argument("--impls", default="nospec,builtin,ours,ours_fixed",
                     help="servers per workload: nospec, builtin, ours (adaptive verify width, the default), "
-                         "ours_fixed (every step verifies the block), ours_w4 / ours_w8 (width pinned)")
+                         "ours_fixed (every step verifies the block), ours_w4 / ours_w8 (width pinned); diagnostic: "
+                         "ours_w1 (width 1: a plain decode step plus the draft's context K/V)")
     ap.add_argument("--profile", action="store_true", help="extra sglang-dflash server with per-phase timing")
     ap.add_argument("--timeline", action="store_true",
                     help="the sglang-dflash servers record where a step's time goes (device busy / idle, host in and "
@@ -447,8 +450,9 @@ def main():
             # server runs the synchronous scheduler (so it also shows what the overlap schedule buys)
             env["SGLANG_DFLASH_PROFILE"] = str(out / f"phases_{w}.json")
             extra = [*extra, "--disable-overlap-schedule"]
-        if impl in OURS_ADAPTIVE_CONFIG:
-            extra = [*extra, "--speculative-adaptive-config", OURS_ADAPTIVE_CONFIG[impl]]
+        config = {**OURS_ADAPTIVE_CONFIG, **OURS_DIAGNOSTIC_CONFIG}.get(impl)
+        if config is not None:
+            extra = [*extra, "--speculative-adaptive-config", config]
         if impl == "ours" and args.timeline:
             env["SGLANG_DFLASH_TIMELINE"] = str(out / f"timeline_{w}.json")
         return Server(f"{w}_{impl}", tgt, None if impl == "nospec" else drf, env_impl, out, extra,
@@ -484,7 +488,7 @@ def main():
                     for (w, impl), s in up.items():
                         if impl == "ours_profiled":
                             continue
-                        per_step = 1 if impl == "nospec" else 16  # the most tokens a step commits: enough steps
+                        per_step = 1 if impl in ("nospec", "ours_w1") else 16  # the most tokens a step commits: enough steps
                         results["kernel_profile"][s.name] = kernel_profile(s, check_ids[0], args.kernel_profile,
                                                                            per_step, out)
                         print(f"[bench] kernel profile {s.name}: "
@@ -566,8 +570,9 @@ def print_table(results) -> None:
           "| spread | ours sync+profiled tok/s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for w, t, c in rows:
-        ref_w = "real" if w == "bound_accept_none" else w
-        ns, _, ns_tpot, _, _ = _tput(results, ref_w, "nospec", c, t)
+        ns, _, ns_tpot, _, _ = _tput(results, w, "nospec", c, t)
+        if ns is None and w == "bound_accept_none":  # all servers at once: the real workload's no-spec server
+            ns, _, ns_tpot, _, _ = _tput(results, "real", "nospec", c, t)
         bi, bi_tau, _, _, _ = _tput(results, w, "builtin", c, t)
         ours, ours_tau, ours_tpot, spread, ours_ttft = _tput(results, w, "ours", c, t)
         prof = _tput(results, w, "ours_profiled", c, t)[0]
@@ -582,6 +587,12 @@ def print_table(results) -> None:
               f"{ratio(ours, ns)} | {ratio(ours, bi)} | {ratio(ours, envelope)} | {' / '.join(map(f, fixed))} | "
               f"{ms(ours_ttft)} | {ms(ours_tpot)} | {ms(step)} | "
               f"{ms(ns_tpot)} | {'—' if spread is None else f'{spread:.0%}'} | {f(prof)} |")
+    for w, t, c in rows:
+        for impl in OURS_DIAGNOSTIC_CONFIG:
+            tput, tau_, tpot, _, _ = _tput(results, w, impl, c, t)
+            if tput is not None:
+                print(f"{impl} ({OURS_DIAGNOSTIC_CONFIG[impl]}), {w} T={t:g} c={c}: {tput:,.0f} tok/s (τ {tau_:.2f}), "
+                      f"TPOT {tpot:.2f} ms")
     for w, phases in results.get("phases", {}).items():
         print(f"\nsglang-dflash per-phase ms/step, {w} (synchronous scheduler, synchronized phases):",
               json.dumps(phases["ms_per_step"]))

@@ -9,14 +9,16 @@ maximizes expected committed tokens per second of step time:
     E(w) = 1 + sum_{k=1}^{w-1} S_k,   S_k = P(L >= k)        (per request; the batch's mean)
     w*   = argmax_w  E(w) / t(bs, w)
 
-``S_k`` is estimated from the accept lengths of recent steps (counts over the rows that verified position k,
-decayed only when a step verifies it again, so a narrow phase keeps what wider steps saw; a position no step
-verified yet takes the prior, capped by ``S_{k-1}``), ``t(bs, w)`` from measured step times per (batch-size bucket,
-width). A new bucket starts from the nearest measured bucket's times; a width measured in neither is tried once
-(also when its time comes back steps later, as under the overlap schedule); every ``explore_every`` steps of a
-bucket the width measured longest ago is tried again, so a change in either the acceptance or the cost is seen.
-Above ``max_batch_size`` requests every step is a plain decode step. Plain Python (no tensors): the caller hands in
-accept lengths and seconds it already has on the host.
+``S_k`` is estimated from the accept lengths of recent steps (counts over the rows that verified position k, decayed
+only when a step verifies it again, so a narrow phase keeps what wider steps saw; a position no step verified yet
+takes the prior, capped by ``S_{k-1}``), ``t(bs, w)`` from measured step times per (batch-size bucket, width), taken
+non-decreasing in ``w`` (a wider step does all a narrower one does and more, so a wider width measured no slower is
+charged the narrower one's time: when the step is bound by the host, the times of every width are one figure plus
+noise, and noise must not buy a width that commits nothing more). A new bucket starts from the nearest measured
+bucket's times; a width measured in neither is tried once (also when its time comes back steps later, as under the
+overlap schedule); every ``explore_every`` steps of a bucket the width measured longest ago is tried again, so a
+change in either the acceptance or the cost is seen. Above ``max_batch_size`` requests every step is a plain decode
+step. Plain Python (no tensors): the caller hands in accept lengths and seconds it already has on the host.
 """
 
 from __future__ import annotations
@@ -154,7 +156,12 @@ class WidthPolicy:
         if n % self.explore_every == 0:
             return min(measured, key=lambda w: self.costs[(b, w)].last_step)
         s = self.survival()
-        return max(measured, key=lambda w: sum(s[:w]) / self.costs[(b, w)].seconds)
+        best, best_rate, floor = measured[0], -1.0, 0.0
+        for w in measured:  # narrowest first: a tie keeps the narrower width
+            floor = max(floor, self.costs[(b, w)].seconds)  # t(bs, w) taken non-decreasing in w
+            if sum(s[:w]) / floor > best_rate:
+                best, best_rate = w, sum(s[:w]) / floor
+        return best
 
     def _borrow_costs(self, b: int) -> None:
         """A new bucket starts from the nearest measured bucket's step times (marked measured longest ago, so the

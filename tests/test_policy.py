@@ -163,3 +163,16 @@ def test_each_width_is_tried_once_when_its_time_comes_back_late(lag):
     assert sorted(trials[:5]) == [1, 2, 4, 8, 16], chosen
     assert all(w == 16 for w in trials[5:]), chosen  # every width on trial: the widest until a time comes back
     assert chosen.count(1) == 1 and chosen.count(2) == 1 and chosen.count(4) == 1 and chosen.count(8) == 1, chosen
+
+
+def test_host_bound_steps_with_nothing_accepted_stay_plain_decode():
+    """When the host sets the step time, every width measures one figure plus noise (here +-3%, the wider ones
+    also 1% more on the device). With nothing accepted every width commits one token a step: the policy must stay
+    at width 1 (before, whichever width's noise came out lowest won, so wide steps that cost the draft forward
+    ran a third of the time), and exploration aside use nothing wider."""
+    rng = random.Random(3)
+    p = WidthPolicy(16, (1, 2, 4, 8, 16))
+    host_bound = lambda w: 6.0 * (1 + 0.03 * rng.uniform(-1, 1)) * (1 + 0.01 * (w > 1))  # noqa: E731
+    got = simulate(p, 1, host_bound, 0.0, 640)
+    wide = sum(n for w, n in got["used"].items() if w > 1)
+    assert wide <= 4 + 640 // p.explore_every, got["used"]  # the first trials and one re-measurement per period
