@@ -305,9 +305,16 @@ def kernel_category(name: str) -> str:
     return "other"
 
 
+# CUDA runtime calls in which the host waits for the device: the calls that stop the host running ahead of the GPU.
+HOST_WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy",
+              "cudaStreamWaitEvent")
+
+
 def summarize_trace(events: list[dict], steps: int, top: int = 12) -> dict:
     """Chrome-trace events of ``steps`` decode steps -> GPU time per step: busy (sum of kernel / memcpy / memset
-    durations), span (first start to last end), launches, per-category and top-kernel microseconds (all / steps)."""
+    durations), span (first start to last end), launches, per-category and top-kernel microseconds (all / steps);
+    ``host_waits``: calls and microseconds per step of the runtime calls where the host may wait for the device
+    (`HOST_WAITS`; ``cudaMemcpy`` without ``Async``)."""
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     if not gpu or steps < 1:
         return {"error": "no GPU events in the trace"}
@@ -322,6 +329,13 @@ def summarize_trace(events: list[dict], steps: int, top: int = 12) -> dict:
         n[1] += e["dur"]
     busy = sum(e["dur"] for e in gpu)
     names = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    waits = {}
+    for e in events:
+        name = e.get("name", "")
+        if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and name in HOST_WAITS:
+            w = waits.setdefault(name, [0, 0.0])
+            w[0] += 1
+            w[1] += e.get("dur", 0)
     return {
         "steps": steps,
         "busy_us_per_step": busy / steps,
@@ -329,6 +343,7 @@ def summarize_trace(events: list[dict], steps: int, top: int = 12) -> dict:
         "launches_per_step": len(gpu) / steps,
         "categories_us_per_step": {c: v / steps for c, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
         "top_kernels": [{"name": k, "per_step": c / steps, "us_per_step": d / steps} for k, (c, d) in names],
+        "host_waits": {k: {"per_step": c / steps, "us_per_step": d / steps} for k, (c, d) in sorted(waits.items())},
     }
 
 
@@ -604,9 +619,11 @@ def print_table(results) -> None:
             print(f"\nkernel profile {name}: {prof['error']}")
             continue
         cats = ", ".join(f"{c} {v:.0f}" for c, v in prof["categories_us_per_step"].items())
+        waits = ", ".join(f"{k} {v['per_step']:.1f}x {v['us_per_step']:.0f} us"
+                          for k, v in prof.get("host_waits", {}).items()) or "none"
         print(f"\nkernel profile {name} ({prof['steps']} decode steps): GPU busy {prof['busy_us_per_step']:.0f} us "
               f"of a {prof['span_us_per_step']:.0f} us span per step, {prof['launches_per_step']:.0f} launches; "
-              f"us per step: {cats}")
+              f"us per step: {cats}; host waits per step: {waits}")
     print("identity at T=0 (exact / up to bf16 near-ties):",
           {w: (v["identical"], v["identical_up_to_near_ties"]) for w, v in results["identity"].items()})
     for w, v in results["identity"].items():

@@ -226,6 +226,8 @@ def test_kernel_trace_summary_per_decode_step():
               k("BatchPrefillWithPagedKVCacheKernel", 14, 6), k("Memcpy DtoD (Device -> Device)", 21, 1, "gpu_memcpy"),
               k("_accept_kernel", 23, 1), k("my_mystery_kernel", 30, 10),
               {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0, "dur": 500},
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 60, "dur": 40},
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 61, "dur": 7},
               k("_build_block_kernel", 100, 2), k("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", 103, 10),
               k("BatchPrefillWithPagedKVCacheKernel", 114, 6), k("_accept_kernel", 121, 1),
               k("my_mystery_kernel", 130, 10)]
@@ -236,6 +238,7 @@ def test_kernel_trace_summary_per_decode_step():
     assert s["categories_us_per_step"] == {"gemm": 10.0, "other": 10.0, "attention": 6.0,
                                            "sglang-dflash triton": 3.0, "memcpy / memset": 0.5}
     assert s["top_kernels"][0] == {"name": "nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "per_step": 1.0, "us_per_step": 10.0}
+    assert s["host_waits"] == {"cudaStreamSynchronize": {"per_step": 0.5, "us_per_step": 20.0}}  # not the Async copy
     assert [bench.kernel_category(n) for n in (
         "void flashinfer::norm::FusedAddRMSNormKernel<8u, __nv_bfloat16>(__nv_bfloat16*, __nv_bfloa",
         "void flashinfer::PersistentVariableLengthMergeStatesKernel<8u, 8u, 16u, 4u, __nv_bfloat16,",
