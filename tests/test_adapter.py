@@ -914,3 +914,24 @@ def test_hybrid_extra_buffer_asked_for_is_refused_with_the_fix(qwen3_next_target
     with pytest.raises(ValueError, match=r"--mamba-radix-cache-strategy extra_buffer is not supported with DFLASH on "
                                          r"Qwen3NextForCausalLM.*--disable-radix-cache"):
         hybrid.resolve_server_args(_hybrid_args("extra_buffer", "extra_buffer"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("copy", ["host_to_device", "blocking"])
+def test_slot_index_copy_does_not_wait_for_the_running_step(copy):
+    """`prepare_for_decode`'s host->device copy (`spec_inputs.host_to_device`) returns while the stream is still
+    busy with earlier work (~1 s of spinning, standing in for the running step the scheduler's stream waits for),
+    and the values arrive; the blocking ``.to(device)`` it replaced returns only after that work (the same check
+    tells them apart)."""
+    from sglang_dflash.adapter.spec_inputs import host_to_device
+
+    t = torch.arange(7, dtype=torch.int64)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)
+    earlier = torch.cuda.Event()
+    earlier.record()
+    out = host_to_device(t, "cuda") if copy == "host_to_device" else t.to("cuda")
+    returned_while_busy = not earlier.query()
+    torch.cuda.synchronize()
+    assert out.cpu().tolist() == list(range(7))
+    assert returned_while_busy == (copy == "host_to_device")

@@ -71,7 +71,8 @@ class DFlashDraftState(SpecInput):
             first = torch.repeat_interleave(torch.cumsum(need, 0) - need, need)
             cols = torch.repeat_interleave(torch.tensor(allocated), need) + torch.arange(total) - first
             req_to_token = batch.req_to_token_pool.req_to_token
-            req_to_token[rows.to(req_to_token.device), cols.to(req_to_token.device)] = slots.to(req_to_token.dtype)
+            index = host_to_device(torch.stack([rows, cols]), req_to_token.device)
+            req_to_token[index[0], index[1]] = slots.to(req_to_token.dtype)
         for req, n in zip(batch.reqs, reserved):
             req.kv.kv_allocated_len = n
         batch.seq_lens_cpu = torch.tensor(committed, dtype=torch.int64)
@@ -148,6 +149,15 @@ def write_block_kv_layout(req_to_token: torch.Tensor, req_pool_indices: torch.Te
     create_flashinfer_kv_indices_triton[(bs,)](
         req_to_token, req_pool_indices, kv_lens, kv_indptr, None, kv_indices, req_to_token.size(1)
     )
+
+
+def host_to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """Host tensor ``t`` on ``device``, on CUDA through pinned memory without the host waiting for the copy. A
+    blocking copy waits for all the current stream holds: under SGLang's overlap schedule the scheduler's stream
+    waits for the running step (its write-after-read barrier), so the host would stop until that step ends and the
+    GPU would then idle while the host prepares the next one."""
+    device = torch.device(device)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 # ---- the worker's results ----------------------------------------------------------------------------------

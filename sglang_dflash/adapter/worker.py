@@ -29,7 +29,8 @@ from sglang.srt.speculative.draft_worker_common import build_draft_tp_worker
 from sglang_dflash.adapter import compat, cpu_attention, hybrid, profiling, step_graphs
 from sglang_dflash.adapter.draft_model import SGLangDFlashDraft, capture_target_layers
 from sglang_dflash.adapter.sampling import BlockSampler, plain_greedy
-from sglang_dflash.adapter.spec_inputs import decode_result, extend_positions, idle_result, prefill_result
+from sglang_dflash.adapter.spec_inputs import (decode_result, extend_positions, host_to_device, idle_result,
+                                                prefill_result)
 from sglang_dflash.adapter.step import HostPlan, StepBatch, StepModels, decode_step
 from sglang_dflash.adapter.widths import StepWidths
 from sglang_dflash.adapter.tp import agree_on_accept, lm_head_shard, tp_group
@@ -207,7 +208,7 @@ class DFlashWorker(BaseSpecWorker):
         """The target's extend with hidden-state capture, then the draft's context K/V of the extended tokens."""
         self.widths.interrupt()
         out = self.target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
-        self.models.commit_kv(out.logits_output.hidden_states, extend_positions(batch).to(self.device),
+        self.models.commit_kv(out.logits_output.hidden_states, host_to_device(extend_positions(batch), self.device),
                               batch.out_cache_loc)
         return prefill_result(out, batch, self.block_size)
 
