@@ -503,7 +503,8 @@ def main():
                     for (w, impl), s in up.items():
                         if impl == "ours_profiled":
                             continue
-                        per_step = 1 if impl in ("nospec", "ours_w1") else 16  # the most tokens a step commits: enough steps
+                        # the most tokens a step commits: enough steps
+                        per_step = 1 if impl in ("nospec", "ours_w1") else 16
                         results["kernel_profile"][s.name] = kernel_profile(s, check_ids[0], args.kernel_profile,
                                                                            per_step, out)
                         print(f"[bench] kernel profile {s.name}: "

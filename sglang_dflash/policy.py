@@ -159,8 +159,9 @@ class WidthPolicy:
         best, best_rate, floor = measured[0], -1.0, 0.0
         for w in measured:  # narrowest first: a tie keeps the narrower width
             floor = max(floor, self.costs[(b, w)].seconds)  # t(bs, w) taken non-decreasing in w
-            if sum(s[:w]) / floor > best_rate:
-                best, best_rate = w, sum(s[:w]) / floor
+            rate = sum(s[:w]) / floor
+            if rate > best_rate:
+                best, best_rate = w, rate
         return best
 
     def _borrow_costs(self, b: int) -> None:
