@@ -25,8 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from harness.models import make_tiny_qwen3_5
-from harness.server import DEVICE, launch_server
-from server_fixtures import SERVER_ENV, dflash_args, make_random_drafter
+from harness.server import DEVICE
+from server_fixtures import dflash_args, launch_servers, make_random_drafter
 
 pytestmark = [pytest.mark.server,
               pytest.mark.skipif(DEVICE != "cpu", reason="float32 hybrid identity: CPU only (see test docstring)")]
@@ -67,19 +67,16 @@ def next_models(tmp_path_factory):
     return _models(tmp_path_factory.mktemp("qwen3-next"), num_experts=4)
 
 
-def serve_conversations(model, extra_args, env=None, log_path=None):
+def conversations(server):
     """Turn 1 of every prompt concurrently, then every turn 2 (turn 1's prompt + reply + FOLLOW_UP) concurrently.
     Returns ([(prompt, output_ids)] for all requests, [meta_info])."""
-    with launch_server(model, [*ARGS, *extra_args], env={**SERVER_ENV, **(env or {})}, timeout=STARTUP,
-                       log_path=log_path) as server:
-        def run(prompt):
-            out = server.generate(prompt, {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0,
-                                           "ignore_eos": True})
-            return prompt, out["output_ids"], out["meta_info"]
+    def run(prompt):
+        out = server.generate(prompt, {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0, "ignore_eos": True})
+        return prompt, out["output_ids"], out["meta_info"]
 
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            first = list(pool.map(run, PROMPTS))
-            second = list(pool.map(run, [p + o + FOLLOW_UP for p, o, _ in first]))
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        first = list(pool.map(run, PROMPTS))
+        second = list(pool.map(run, [p + o + FOLLOW_UP for p, o, _ in first]))
     results = first + second
     return [(p, o) for p, o, _ in results], [m for _, _, m in results]
 
@@ -130,57 +127,61 @@ def accept_counts(metas) -> Counter:
     return total
 
 
-def test_hybrid_dflash_greedy_identical_with_every_accept_length(models, reference, tmp_path):
-    _assert_identical_with_every_accept_length(models, reference, tmp_path)
-
-
-def test_qwen3_next_moe_hybrid_dflash_greedy_identical_with_every_accept_length(next_models, next_reference,
-                                                                               tmp_path):
-    """The same on Qwen3-Next's layout: MoE blocks (top-2 of 4 experts and a gated shared expert, SGLang's native
-    CPU MoE) between the Gated DeltaNet and full-attention layers."""
+@pytest.fixture(scope="module")
+def served(models, reference, next_models, next_reference, tmp_path_factory):
+    """The module's four DFLASH servers, started at once, each after serving :func:`conversations`:
+    name -> (outputs, meta_infos, log text). ``plain``, ``retract`` (SGLang retracts running requests every few
+    forwards) and ``broken`` (the state committed after the whole block) serve the Qwen3.5 target, ``next`` the
+    Qwen3-Next one; every one drafts with the oracle of its target's reference."""
+    oracle = {"SGLANG_DFLASH_TEST_ORACLE_DRAFT": str(reference[1])}
     # SGLang 0.5.17 picks the extra_buffer radix-cache strategy for Qwen3-Next on CPU too, then refuses it there
     # ("extra_buffer needs CUDA"), with or without speculative decoding; no_buffer it takes without the overlap
     # schedule only
-    _assert_identical_with_every_accept_length(next_models, next_reference, tmp_path,
-                                               ["--mamba-radix-cache-strategy", "no_buffer",
-                                                "--disable-overlap-schedule"])
+    next_args = ["--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule"]
+    specs = {"plain": (models[0], [*ARGS, *dflash_args(models[1])], oracle),
+             "retract": (models[0], [*ARGS, *dflash_args(models[1])], {**oracle, "SGLANG_TEST_RETRACT": "1"}),
+             "broken": (models[0], [*ARGS, *dflash_args(models[1])],
+                        {**oracle, "SGLANG_DFLASH_TEST_BROKEN_STATE_COMMIT": "1"}),
+             "next": (next_models[0], [*ARGS, *dflash_args(next_models[1]), *next_args],
+                      {"SGLANG_DFLASH_TEST_ORACLE_DRAFT": str(next_reference[1])})}
+    with launch_servers(specs, timeout=STARTUP, log_dir=tmp_path_factory.mktemp("hybrid-logs")) as servers:
+        with ThreadPoolExecutor(len(servers)) as pool:
+            runs = dict(zip(servers, pool.map(conversations, servers.values())))
+        return {name: (*runs[name], server.log_text()) for name, server in servers.items()}
 
 
-def _assert_identical_with_every_accept_length(models, reference, tmp_path, extra_args=()):
-    target, draft, _ = models
-    ref, oracle = reference
-    got, metas = serve_conversations(target, [*dflash_args(draft), *extra_args],
-                                     {"SGLANG_DFLASH_TEST_ORACLE_DRAFT": str(oracle)},
-                                        log_path=tmp_path / "dflash.log")
-    log = (tmp_path / "dflash.log").read_text()
+def test_hybrid_dflash_greedy_identical_with_every_accept_length(served, reference):
+    _assert_identical_with_every_accept_length(served["plain"], reference)
+
+
+def test_qwen3_next_moe_hybrid_dflash_greedy_identical_with_every_accept_length(served, next_reference):
+    """The same on Qwen3-Next's layout: MoE blocks (top-2 of 4 experts and a gated shared expert, SGLang's native
+    CPU MoE) between the Gated DeltaNet and full-attention layers."""
+    _assert_identical_with_every_accept_length(served["next"], next_reference)
+
+
+def _assert_identical_with_every_accept_length(run, reference):
+    got, metas, log = run
     assert "TEST: oracle draft" in log and "SGLANG_MAMBA_CONV_DTYPE=float32" in log
-    for (prompt, want), (_, have) in zip(ref, got):
+    for (prompt, want), (_, have) in zip(reference[0], got):
         assert have == want, f"prompt of {len(prompt)} tokens: DFLASH {have} != the target's {want}"
     counts = accept_counts(metas)
     assert set(range(BLOCK_SIZE)) <= set(counts), f"accept lengths seen {dict(counts)}; want each of 0..{BLOCK_SIZE - 1}"
 
 
-def test_hybrid_dflash_greedy_identical_under_retraction(models, reference, tmp_path):
+def test_hybrid_dflash_greedy_identical_under_retraction(served, reference):
     """SGLang retracts running requests every few forwards (``SGLANG_TEST_RETRACT``): a retracted request is
     prefilled again later, its linear-attention state rebuilt from its tokens; the output must not change."""
-    target, draft, _ = models
-    ref, oracle = reference
-    got, _ = serve_conversations(target, dflash_args(draft), {"SGLANG_DFLASH_TEST_ORACLE_DRAFT": str(oracle),
-                                                                 "SGLANG_TEST_RETRACT": "1"},
-                                    log_path=tmp_path / "retract.log")
-    assert re.search(r"#retracted_reqs: [1-9]", (tmp_path / "retract.log").read_text()), "nothing was retracted"
-    for (prompt, want), (_, have) in zip(ref, got):
+    got, _, log = served["retract"]
+    assert re.search(r"#retracted_reqs: [1-9]", log), "nothing was retracted"
+    for (prompt, want), (_, have) in zip(reference[0], got):
         assert have == want, f"prompt of {len(prompt)} tokens: DFLASH {have} != the target's {want}"
 
 
-def test_broken_state_commit_fails_identity(models, reference, tmp_path):
+def test_broken_state_commit_fails_identity(served, reference):
     """The control: committing each request's state after the whole block (not after its accepted tokens) must
     change the output."""
-    target, draft, _ = models
-    ref, oracle = reference
-    got, _ = serve_conversations(target, dflash_args(draft), {"SGLANG_DFLASH_TEST_ORACLE_DRAFT": str(oracle),
-                                                                 "SGLANG_DFLASH_TEST_BROKEN_STATE_COMMIT": "1"},
-                                    log_path=tmp_path / "broken.log")
-    assert "TEST: broken state commit" in (tmp_path / "broken.log").read_text()
-    differ = sum(have != want for (_, want), (_, have) in zip(ref, got))
+    got, _, log = served["broken"]
+    assert "TEST: broken state commit" in log
+    differ = sum(have != want for (_, want), (_, have) in zip(reference[0], got))
     assert differ > 0, "a state committed after the whole block went unnoticed"
