@@ -18,7 +18,7 @@ from sglang_dflash.config import DFlashDraftConfig
 TINY_VOCAB = 128
 TINY_MASK_ID = TINY_VOCAB - 1
 
-# The bundled drafter's accept length is tested (reference engine and SGLang server) with the protocol of
+# The bundled drafter's accept length is tested on the reference engine with the protocol of
 # benchmarks/RESULTS.md's tau table -- greedy, block 16, 128 new tokens, held-out MT-Bench / HumanEval / GSM8K --
 # on the first TAU_PROMPTS_PER_SET prompts of each set.
 TAU_PROMPTS_PER_SET = 3

@@ -25,7 +25,6 @@ from sglang_dflash import compare
 from sglang_dflash.compare import REFERENCE_LOGPROBS, first_difference
 from harness.server import (DEVICE, STARTUP_TIMEOUT, expect_startup_failure, launch_server, server_command,
                             server_dtype, server_env)
-from conftest import TAU_NEW_TOKENS, TAU_PROMPTS_PER_SET
 from server_fixtures import (COMMON_ARGS, HUB_REPO_ID, SERVER_ENV, broken_drafts, dflash_args, drafter_for_tests,
                              hub_cache, launch_servers, nccl_port_args)
 
@@ -390,6 +389,9 @@ def test_stop_params_pick_a_stop_that_fires_first_where_asked(tokenizer):
         stop_params("token", [5, 5, 5, 5, 5, 5, 5], 1, tokenizer)
 
 
+BF16_PROMPTS_PER_SET = 4
+
+
 def test_bf16_divergences_are_near_ties(target, drafter, loader_prompts, tmp_path):
     """A bfloat16 DFLASH server may part from a bfloat16 no-spec server only at a near-tie of the no-spec run
     (sglang_dflash.compare: the DFLASH token among the no-spec top choices there, at most TIE_NATS below the no-spec one).
@@ -398,7 +400,8 @@ def test_bf16_divergences_are_near_ties(target, drafter, loader_prompts, tmp_pat
     specs = {"nospec": (target, [*bf16, "--disable-overlap-schedule"]),
              "dflash": (target, [*bf16, *dflash_args(drafter[0])])}
     greedy = {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS}
-    payloads = [{"input_ids": ids, "sampling_params": greedy} for prompts in loader_prompts.values() for ids in prompts]
+    payloads = [{"input_ids": ids, "sampling_params": greedy} for prompts in loader_prompts.values()
+                for ids in prompts[:BF16_PROMPTS_PER_SET]]
     with launch_servers(specs, log_dir=tmp_path) as servers:
         want, got = generate_pair(servers["nospec"], servers["dflash"], payloads, reference_top=True)
     checked, parted, bad = 0, [], []
@@ -421,12 +424,11 @@ def test_bf16_divergences_are_near_ties(target, drafter, loader_prompts, tmp_pat
     assert checked >= len(payloads) * MAX_NEW_TOKENS // 2, (checked, parted)
 
 
-def test_accept_length_with_trained_drafter(drafter, loader_prompts, dflash):
-    """Mean accept length (SGLang's definition: completion_tokens / spec_verify_ct, aggregated over the requests)
-    must exceed 2 with the bundled drafter; the server's running average must report speculation."""
-    payloads = [{"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": TAU_NEW_TOKENS}}
-                for prompts in loader_prompts.values() for ids in prompts[:TAU_PROMPTS_PER_SET]]
-    meta = [reply["meta_info"] for reply in generate_all(dflash, payloads)]
+def test_accept_length_with_trained_drafter(drafter, greedy_cases, greedy_results, dflash):
+    """Mean accept length (SGLang's definition: completion_tokens / spec_verify_ct, aggregated over the requests) of
+    the plain greedy cases (held-out prompts, MAX_NEW_TOKENS each) must exceed 2 with the bundled drafter; the
+    server's running average must report speculation."""
+    meta = [got["meta_info"] for case, got in zip(greedy_cases, greedy_results[1]) if case.kind == "plain"]
     accept_len = sum(m["completion_tokens"] for m in meta) / sum(m["spec_verify_ct"] for m in meta)
     server_avg = dflash.get_server_info()["internal_states"][0]["avg_spec_accept_length"]
     print(f"accept length {accept_len:.3f} over {len(meta)} requests (server avg {server_avg:.3f})")
@@ -726,50 +728,6 @@ def _transformers_greedy(model, ids: list[int], n: int) -> tuple[list[int], list
     return out, tops
 
 
-def test_online_weight_updates_keep_outputs_exact(target, drafter, nospec, loader_prompts, tmp_path):
-    """RL-style weight sync on a DFLASH server: ``/update_weights_from_disk`` with another checkpoint of the target
-    architecture, then ``/update_weights_from_tensor`` with one tensor of the original. After each update every
-    greedy reply equals the target of those weights (the draft keeps its own weights and still drafts): after the
-    first, transformers' greedy tokens of the updated checkpoint in the server's dtype (in bf16 up to a parting at a
-    near-tie of transformers' top choices); after the second, the module's no-spec server."""
-    import torch
-
-    name = "model.layers.20.mlp.down_proj.weight"
-    updated, original, model = _perturbed_target(target, tmp_path / "updated-target", name, 1.5)
-    payloads = [{"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS,
-                                                        "ignore_eos": True}}
-                for prompts in loader_prompts.values() for ids in prompts[:2]]
-    with launch_servers({"dflash": (target, [*SERVER_ARGS, *dflash_args(drafter[0])])},
-                        log_dir=tmp_path / "logs") as servers:
-        dflash = servers["dflash"]
-        want_original = generate_all(nospec, [{**p, **REFERENCE_LOGPROBS} if BF16 else p for p in payloads])
-        model = model.to(getattr(torch, server_dtype("float32")))
-        want_updated = [_transformers_greedy(model, p["input_ids"], MAX_NEW_TOKENS) for p in payloads]
-        assert any(a["output_ids"] != b for a, (b, _) in zip(want_original, want_updated)), \
-            "the perturbed checkpoint answers like the original: the test would not see a missed update"
-
-        out = dflash.post("/update_weights_from_disk", {"model_path": str(updated)})
-        assert out["success"], out
-        got = generate_all(dflash, payloads)
-        for i, ((ids, top), g) in enumerate(zip(want_updated, got)):
-            assert compare.agreeing_length(ids, g["output_ids"], top, BF16) is not None, \
-                (f"after update_weights_from_disk, request {i}", ids, g["output_ids"])
-            assert 1 <= g["meta_info"]["spec_verify_ct"] < g["meta_info"]["completion_tokens"], g["meta_info"]
-
-        from sglang.srt.utils import MultiprocessingSerializer
-
-        torch.multiprocessing.set_sharing_strategy("file_system")  # CPU tensors travel as named shared memory
-        tensors = [(name, original)]
-        out = dflash.post("/update_weights_from_tensor",
-                          {"serialized_named_tensors": [MultiprocessingSerializer.serialize(tensors, output_str=True)]})
-        assert out["success"], out
-        got = generate_all(dflash, payloads)
-        for i, (w, g) in enumerate(zip(want_original, got)):
-            assert_same_reply(w, g, f"after update_weights_from_tensor, request {i}")
-    if drafter[1]:  # the trained drafter still gets drafts accepted on the original weights
-        assert sum(g["meta_info"]["spec_verify_ct"] for g in got) < sum(len(g["output_ids"]) for g in got) - len(got)
-
-
 ENGINE_SCRIPT = """
 import json, sys
 import sglang as sgl
@@ -989,26 +947,24 @@ def test_logit_bias_and_min_new_tokens_match_nospec(nospec, dflash, tokenizer):
     prompts = chat_ids(tokenizer, data.apply_chat([EOS_QUESTIONS[0], EOS_QUESTIONS[1], "Name a planet."], tokenizer))
     greedy = {"temperature": 0.0, "max_new_tokens": 40}
     # the plain replies, to pick a token to push and one to ban
-    plain = [on_both(nospec, dflash, lambda s, p=p: s.generate(p, greedy)) for p in prompts]
-    first = plain[2][0]["output_ids"][0]
+    plain = generate_all(nospec, [{"input_ids": p, "sampling_params": greedy} for p in prompts])
+    first = plain[2]["output_ids"][0]
+    short = [len(r["output_ids"]) for r in plain[:2]]
+    assert all(n < 24 and r["output_ids"][-1] == eos for n, r in zip(short, plain[:2])), short
     cases = [
         {**greedy, "min_new_tokens": 24},  # the EOS questions stop after < 24 tokens without it
         {**greedy, "logit_bias": {str(first): -100.0}},  # ban the usual first token
         {**greedy, "logit_bias": {str(tokenizer.convert_tokens_to_ids("ĠJupiter")): 8.0}, "min_new_tokens": 3},
     ]
-    for params in cases:
-        for p in prompts:
-            payload = {"input_ids": p, "sampling_params": params, **REFERENCE_LOGPROBS}
-            want, got = on_both(nospec, dflash, lambda s: s.post("/generate", payload))
-            assert_same_reply(want, got, (params, p))
-            if "min_new_tokens" in params:
-                assert eos not in got["output_ids"][: params["min_new_tokens"]]
-    short = [len(r[0]["output_ids"]) for r in plain[:2]]
-    assert all(n < 24 and r[0]["output_ids"][-1] == eos for n, r in zip(short, plain[:2])), short
-    forced = on_both(nospec, dflash, lambda s: s.generate(prompts[0], cases[0]))[1]["output_ids"]
-    assert len(forced) >= 24
-    banned = on_both(nospec, dflash, lambda s: s.generate(prompts[2], cases[1]))[1]["output_ids"]
-    assert banned[0] != first
+    payloads = [{"input_ids": p, "sampling_params": params, **REFERENCE_LOGPROBS} for params in cases for p in prompts]
+    want, got = generate_pair(nospec, dflash, payloads, reference_top=False)
+    for payload, w, g in zip(payloads, want, got):
+        params = payload["sampling_params"]
+        assert_same_reply(w, g, (params, payload["input_ids"]))
+        if "min_new_tokens" in params:
+            assert eos not in g["output_ids"][: params["min_new_tokens"]]
+    assert len(got[0]["output_ids"]) >= 24  # min_new_tokens=24 on an EOS question
+    assert got[len(prompts) + 2]["output_ids"][0] != first  # the banned first token
 
 
 # ----------------------------------------------------------------------------------------------- penalties
@@ -1023,17 +979,15 @@ def test_penalties_match_nospec(nospec, dflash, tokenizer):
     texts = ["Name a planet.", "List the days of the week.", data.mtbench_prompts(2)[1]]
     prompts = chat_ids(tokenizer, data.apply_chat(texts, tokenizer))
     greedy = {"temperature": 0.0, "max_new_tokens": 48}
-    plain = [on_both(nospec, dflash, lambda s, p=p: s.generate(p, greedy))[0]["output_ids"] for p in prompts]
-    cases = [{**greedy, "frequency_penalty": 0.8}, {**greedy, "presence_penalty": 1.2},
+    cases = [greedy, {**greedy, "frequency_penalty": 0.8}, {**greedy, "presence_penalty": 1.2},
              {**greedy, "repetition_penalty": 1.4}, {**greedy, "frequency_penalty": 0.4, "presence_penalty": 0.5}]
-    for params in cases:
-        outs = []
-        for p in prompts:
-            payload = {"input_ids": p, "sampling_params": params, **REFERENCE_LOGPROBS}
-            want, got = on_both(nospec, dflash, lambda s: s.post("/generate", payload))
-            assert_same_reply(want, got, (params, tokenizer.decode(p)[-60:]))
-            outs.append(got["output_ids"])
-        assert outs != plain, f"{params} changed no reply"
+    payloads = [{"input_ids": p, "sampling_params": params, **REFERENCE_LOGPROBS} for params in cases for p in prompts]
+    want, got = generate_pair(nospec, dflash, payloads, reference_top=False)
+    for payload, w, g in zip(payloads, want, got):
+        assert_same_reply(w, g, (payload["sampling_params"], tokenizer.decode(payload["input_ids"])[-60:]))
+    outs = [[g["output_ids"] for g in got[i:i + len(prompts)]] for i in range(0, len(got), len(prompts))]
+    for params, out in zip(cases[1:], outs[1:]):
+        assert out != outs[0], f"{params} changed no reply"
 
 
 # ----------------------------------------------------------------------------------------------- grammars
@@ -1098,3 +1052,50 @@ def test_examples_run_against_the_dflash_server(dflash, script, expect):
                          timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert re.search(expect, res.stdout), res.stdout[-2000:]
+
+
+# ----------------------------------------------------------------------------------------------- weight updates (last)
+
+
+def test_online_weight_updates_keep_outputs_exact(target, drafter, nospec, dflash, loader_prompts, tmp_path):
+    """RL-style weight sync on the module's DFLASH server (overlap schedule; its radix cache holds these prompts,
+    served before with the original weights): ``/update_weights_from_disk`` with another checkpoint of the target
+    architecture, then ``/update_weights_from_tensor`` with one tensor of the original. After each update every
+    greedy reply equals the target of those weights (the draft keeps its own weights and still drafts): after the
+    first, transformers' greedy tokens of the updated checkpoint in the server's dtype (in bf16 up to a parting at a
+    near-tie of transformers' top choices); after the second, the module's no-spec server.
+
+    Last in this module: it ends with the original weights back, and no test after it reads the server."""
+    import torch
+
+    name = "model.layers.20.mlp.down_proj.weight"
+    updated, original, model = _perturbed_target(target, tmp_path / "updated-target", name, 1.5)
+    payloads = [{"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS,
+                                                        "ignore_eos": True}}
+                for prompts in loader_prompts.values() for ids in prompts[:2]]
+    want_original = generate_all(nospec, [{**p, **REFERENCE_LOGPROBS} if BF16 else p for p in payloads])
+    model = model.to(getattr(torch, server_dtype("float32")))
+    want_updated = [_transformers_greedy(model, p["input_ids"], MAX_NEW_TOKENS) for p in payloads]
+    assert any(a["output_ids"] != b for a, (b, _) in zip(want_original, want_updated)), \
+        "the perturbed checkpoint answers like the original: the test would not see a missed update"
+
+    out = dflash.post("/update_weights_from_disk", {"model_path": str(updated)})
+    assert out["success"], out
+    got = generate_all(dflash, payloads)
+    for i, ((ids, top), g) in enumerate(zip(want_updated, got)):
+        assert compare.agreeing_length(ids, g["output_ids"], top, BF16) is not None, \
+            (f"after update_weights_from_disk, request {i}", ids, g["output_ids"])
+        assert 1 <= g["meta_info"]["spec_verify_ct"] < g["meta_info"]["completion_tokens"], g["meta_info"]
+
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    torch.multiprocessing.set_sharing_strategy("file_system")  # CPU tensors travel as named shared memory
+    tensors = [(name, original)]
+    out = dflash.post("/update_weights_from_tensor",
+                      {"serialized_named_tensors": [MultiprocessingSerializer.serialize(tensors, output_str=True)]})
+    assert out["success"], out
+    got = generate_all(dflash, payloads)
+    for i, (w, g) in enumerate(zip(want_original, got)):
+        assert_same_reply(w, g, f"after update_weights_from_tensor, request {i}")
+    if drafter[1]:  # the trained drafter still gets drafts accepted on the original weights
+        assert sum(g["meta_info"]["spec_verify_ct"] for g in got) < sum(len(g["output_ids"]) for g in got) - len(got)
