@@ -138,10 +138,10 @@ def served(models, reference, next_models, next_reference, tmp_path_factory):
     # ("extra_buffer needs CUDA"), with or without speculative decoding; no_buffer it takes without the overlap
     # schedule only
     next_args = ["--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule"]
-    specs = {"plain": (models[0], [*ARGS, *dflash_args(models[1])], oracle),
-             "retract": (models[0], [*ARGS, *dflash_args(models[1])], {**oracle, "SGLANG_TEST_RETRACT": "1"}),
-             "broken": (models[0], [*ARGS, *dflash_args(models[1])],
-                        {**oracle, "SGLANG_DFLASH_TEST_BROKEN_STATE_COMMIT": "1"}),
+    qwen3_5 = [*ARGS, *dflash_args(models[1])]
+    specs = {"plain": (models[0], qwen3_5, oracle),
+             "retract": (models[0], qwen3_5, {**oracle, "SGLANG_TEST_RETRACT": "1"}),
+             "broken": (models[0], qwen3_5, {**oracle, "SGLANG_DFLASH_TEST_BROKEN_STATE_COMMIT": "1"}),
              "next": (next_models[0], [*ARGS, *dflash_args(next_models[1]), *next_args],
                       {"SGLANG_DFLASH_TEST_ORACLE_DRAFT": str(next_reference[1])})}
     with launch_servers(specs, timeout=STARTUP, log_dir=tmp_path_factory.mktemp("hybrid-logs")) as servers:
