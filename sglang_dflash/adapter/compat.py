@@ -20,7 +20,7 @@ it, the capabilities below pick each path:
   ``sglang.kernels.ops.attention.kv_indices``; imported from here.
 * `unchecked_flashinfer`: the step graphs' device-side FlashInfer plan (`kernels.attention_plan`) mirrors
   FlashInfer's private planning rule, checked on a GPU against `PLAN_CHECKED_FLASHINFER` only.
-* Hook targets that moved (`DEFAULT_ATTN_BACKEND`, `CPU_BACKENDS`, `FREE_KV_ALIGNED_PARAMS`).
+* Hook targets that moved (`DEFAULT_ATTN_BACKEND`, `CPU_BACKENDS`, `FREE_KV_ALIGNED_PARAMS`, `GEMMA4_CHECK`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import importlib.util
 import inspect
 
 import sglang
+from sglang.srt import server_args as _server_args
 from sglang.srt.arg_groups import overrides as _overrides
 from sglang.srt.managers import schedule_batch as _schedule_batch
 from sglang.srt.managers.tp_worker import TpModelWorker
@@ -66,6 +67,10 @@ else:
                             ["self", "use_mla_backend", "model_config"])
     CPU_BACKENDS = ("sglang.srt.server_args.ServerArgs._handle_cpu_backends", ["self"])
 FREE_KV_ALIGNED_PARAMS = ["self", "kv" if KV_FIELDS_ON_REQ_KV else "pool_idx", "target", "end"]
+# the server-argument pass whose Gemma 4 branch refuses torch_native (0.5.17; later releases moved it, and the CPU
+# set-up does not lift that check there: `cpu_platform`)
+GEMMA4_CHECK = (("sglang.srt.server_args.ServerArgs._handle_model_specific_adjustments", ["self"])
+                if hasattr(_server_args.ServerArgs, "_handle_model_specific_adjustments") else None)
 WORKER_PARAMS = ["self", "server_args", "gpu_id", *(["ps"] if WORKER_TAKES_PS else []), "nccl_port",
                  "is_draft_worker"]
 

@@ -8,6 +8,11 @@ window for sliding layers: z-lab's draft semantics, and a causal window for targ
 layers (SGLang's fused causal kernel is faster there than masked rows), decode, cross attention and encoder
 batches go to the base class unchanged. It is installed on the DFLASH worker's target and draft runners
 only (`install`); a no-spec server keeps SGLang's backend.
+
+A sliding-window target (Gemma 4) keeps its sliding layers' K/V in the sliding-window half of SGLang's `SWAKVPool`,
+at slots of its own; ``req_to_token`` holds the full pool's. SGLang's `TorchNativeAttnBackend` writes there (through
+the translated ``swa_out_cache_loc``) but reads at the untranslated slots. `swa_rows` translates them for every
+read: here, and in SGLang's own backend through the CPU set-up's hooks (`cpu_platform`), for no-spec servers too.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from torch.nn.functional import scaled_dot_product_attention
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
 from sglang_dflash.model import attention_mask
 
@@ -47,13 +53,14 @@ class DFlashCPUAttnBackend(TorchNativeAttnBackend):
         v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
         q = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
         o = torch.empty_like(q)
-        req_to_token = self.req_to_token_pool.req_to_token
+        req_to_token, req_rows = swa_rows(self.token_to_kv_pool, k_cache, self.req_to_token_pool.req_to_token,
+                                          forward_batch.req_pool_indices, forward_batch.seq_lens)
         start = 0
         for i in range(forward_batch.batch_size):
             n = int(forward_batch.extend_seq_lens_cpu[i])
             prefix = int(forward_batch.extend_prefix_lens_cpu[i])
             kv_len = prefix + n
-            slots = req_to_token[forward_batch.req_pool_indices[i], :kv_len]
+            slots = req_to_token[req_rows[i], :kv_len]
             keys = k_cache[slots].transpose(0, 1).to(q.dtype)
             values = v_cache[slots].transpose(0, 1).to(q.dtype)
             k_pos = torch.arange(kv_len, device=q.device)[None]
@@ -67,6 +74,22 @@ class DFlashCPUAttnBackend(TorchNativeAttnBackend):
                 o[start + c : start + c + rows] = out.transpose(0, 1)
             start += n
         return o.view(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+
+def swa_rows(pool, k_cache: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+             seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(table, rows) such that ``table[rows[i], :seq_lens[i]]`` are request i's slots in ``k_cache``: ``req_to_token``
+    and ``req_pool_indices`` [bs] unchanged, unless ``k_cache`` is a sliding-window layer's buffer of an `SWAKVPool`
+    ``pool``: then the batch's rows of ``req_to_token`` up to the longest ``seq_lens`` [bs], translated to that pool's
+    slots (``[bs, max_len]``; a token whose window K/V SGLang has freed maps to the pool's dummy slot 0, outside
+    every window that reads it), and ``arange(bs)``."""
+    if not (isinstance(pool, SWAKVPool) and k_cache.data_ptr() in {
+            pool.swa_kv_pool.get_key_buffer(i).data_ptr() for i in range(pool.swa_layer_nums)}):
+        return req_to_token, req_pool_indices
+    bs = req_pool_indices.shape[0]
+    width = int(seq_lens.max()) if bs else 0
+    full = req_to_token[req_pool_indices.to(torch.int64), :width].to(torch.int64)
+    return pool.translate_loc_from_full_to_swa(full), torch.arange(bs, device=req_pool_indices.device)
 
 
 def install(runner) -> None:

@@ -37,6 +37,19 @@ on a CPU-only host (no CUDA / ROCm / XPU / MPS device, no NPU / HPU / MUSA runti
    in float32 that rounds the inputs a continuation reads, so its next tokens part from a prefill of the same text
    (benchmarks/HYBRID.md). With ``--dtype float32`` and the variable unset it becomes ``float32`` (logged), in the
    launcher's environment, which the scheduler processes inherit.
+8. **Multi-head latent attention** (DeepSeek-V2/V3-style targets). SGLang picks each MLA layer's attention method
+   per backend; ``torch_native`` has no entry and gets the Triton backend's rule, which runs a prompt's first prefill
+   as plain multi-head attention over the decompressed K/V -- attention that torch_native does not implement (it
+   reads K/V from the KV pool, which holds the compressed latent: "Expected size ... [4, 24] but got: [4, 40]").
+   On CPU, torch_native runs every MLA forward absorbed instead (queries against the latent cache, SGLang's decode
+   path): the same attention.
+9. **Sliding-window KV pool** (Gemma 4). SGLang 0.5.17 refuses torch_native for Gemma 4 (it accepts GPU / XPU
+   backends only) and its torch_native backend reads a sliding layer's K/V at the full pool's slots, not at the
+   slots of the sliding-window pool that holds them (`cpu_attention.swa_rows` translates them for every read). On
+   CPU with torch_native the Gemma 4 check passes, logged.
+10. **Unset intermediate sizes.** SGLang 0.5.17's CPU model loading pads every ``*intermediate_size`` field of the
+   config to the tensor-parallel size and fails on one that is present but None (``None % int``; Gemma 4's
+   ``moe_intermediate_size`` without MoE blocks); such a field is left alone, as later releases do.
 """
 
 from __future__ import annotations
@@ -354,12 +367,65 @@ def _grammar_mask_static(original, logits, vocab_mask) -> None:
     _mask_logits(original, logits, vocab_mask)
 
 
+def _mla_handler(original, registry, backend_name):
+    """8 of the module docstring: the absorbed method for every MLA forward on torch_native (CPU servers only:
+    the plugin registers its CPU hooks only there); SGLang's handler for any other backend."""
+    if backend_name != "torch_native":
+        return original(registry, backend_name)
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
+
+    return lambda attn, forward_batch: AttnForwardMethod.MLA
+
+
+def _sdpa_at_swa_slots(original, backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
+                       seq_lens, *args, **kwargs):
+    """9 of the module docstring: SGLang's torch_native SDPA loops (extend and decode) reading a sliding layer's K/V
+    at its slots in the sliding-window pool."""
+    from sglang_dflash.adapter.cpu_attention import swa_rows
+
+    req_to_token, req_pool_indices = swa_rows(backend.token_to_kv_pool, k_cache, req_to_token, req_pool_indices,
+                                              seq_lens)
+    return original(backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, *args,
+                    **kwargs)
+
+
+def _unset_intermediate_size(original, model_config, attr_name, intermediate_padding_size):
+    """10 of the module docstring: the config unchanged where the field SGLang reads (the text config's, the HF
+    config's or the model config's, in that order) is None."""
+    hf = getattr(model_config, "hf_config", None)
+    owner = next((c for c in (getattr(hf, "text_config", None), hf, model_config)
+                  if c is not None and hasattr(c, attr_name)), None)
+    if owner is not None and getattr(owner, attr_name) is None:
+        return model_config
+    return original(model_config, attr_name, intermediate_padding_size)
+
+
+GEMMA4_ARCHS = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration")
+
+
+def _gemma4_on_torch_native(original, server_args) -> None:
+    """9 of the module docstring: SGLang's model-specific adjustments, whose Gemma 4 branch asserts a GPU / XPU
+    attention backend, seeing a CPU server's torch_native as one it accepts (that branch does nothing else)."""
+    from sglang.srt.arg_groups.overrides import attention_backends_of, resolved_view
+
+    view = resolved_view(server_args)
+    if (view.device != "cpu" or set(attention_backends_of(view)) != {"torch_native"}
+            or server_args.get_model_config().hf_config.architectures[0] not in GEMMA4_ARCHS):
+        return original(server_args)
+    logger.info("sglang-dflash: Gemma 4 on CPU with torch_native (SGLang's check asks for a GPU / XPU backend; the "
+                "plugin reads its sliding-window KV pool at the right slots)")
+    server_args._resolved_attention_backends = lambda: ("triton", "triton")  # the instance's view, for this call
+    original(server_args)
+    del server_args._resolved_attention_backends
+
+
 def hooks() -> dict:
     """dotted path -> (hook, parameter names of the hooked SGLang function; checked with the plugin's other hooks in
     `hooks.EXPECTED_SIGNATURES`)."""
     from sglang_dflash.adapter import compat
 
-    return {compat.CPU_BACKENDS[0]: (_cpu_attention_backend, compat.CPU_BACKENDS[1]), **_HOOKS}
+    gemma4 = {compat.GEMMA4_CHECK[0]: (_gemma4_on_torch_native, compat.GEMMA4_CHECK[1])} if compat.GEMMA4_CHECK else {}
+    return {compat.CPU_BACKENDS[0]: (_cpu_attention_backend, compat.CPU_BACKENDS[1]), **gemma4, **_HOOKS}
 
 
 _HOOKS = {
@@ -373,4 +439,11 @@ _HOOKS = {
         _grammar_mask_static, ["logits", "vocab_mask"]),
     "sglang.srt.distributed.parallel_state.init_model_parallel_group": (
         _gloo_group, ["group_ranks", "local_rank", "backend", "use_pynccl"]),
+    "sglang.srt.models.deepseek_common.attention_backend_handler.AttentionBackendRegistry.get_handler": (
+        _mla_handler, ["backend_name"]),
+    "sglang.srt.configs.update_config.update_intermediate_size": (
+        _unset_intermediate_size, ["model_config", "attr_name", "intermediate_padding_size"]),
+    **{f"sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_{mode}": (
+        _sdpa_at_swa_slots, ["self", "query", "output", "k_cache", "v_cache", "req_to_token", "req_pool_indices",
+                             "seq_lens"]) for mode in ("extend", "decode")},
 }
