@@ -61,8 +61,9 @@ def mask_token_id() -> int:
 
 
 def make_random_drafter(out_dir: str | Path, target_dir: str | Path, block_size: int = RANDOM_DRAFTER_BLOCK_SIZE,
-                        seed: int = 0) -> Path:
-    """Write a random bf16 1-layer DFlash drafter shaped for the target at ``target_dir`` to ``out_dir``."""
+                        seed: int = 0, **draft_fields) -> Path:
+    """Write a random bf16 1-layer DFlash drafter shaped for the target at ``target_dir`` to ``out_dir``;
+    ``draft_fields`` override the draft config's fields taken from the target (e.g. ``rope_scaling=None``)."""
     import torch
     from transformers import AutoConfig
 
@@ -70,7 +71,8 @@ def make_random_drafter(out_dir: str | Path, target_dir: str | Path, block_size:
     from sglang_dflash.model import DFlashDraftModel, save_draft
 
     cfg = DFlashDraftConfig.from_target(AutoConfig.from_pretrained(target_dir), num_hidden_layers=1,
-                                        mask_token_id=mask_token_id(), block_size=block_size)
+                                        mask_token_id=mask_token_id(), block_size=block_size,
+                                        **draft_fields)
     torch.manual_seed(seed)
     save_draft(DFlashDraftModel(cfg).to(torch.bfloat16), out_dir)
     return Path(out_dir)

@@ -596,8 +596,21 @@ def homogeneity_p_value(a: Counter, b: Counter, min_pooled: int = 10) -> float:
     return float(chi2_contingency(rows, correction=False).pvalue)
 
 
+@pytest.fixture(scope="module")
+def sampled(servers, tokenizer) -> tuple[list[int], dict[str, list[tuple[int, int]]]]:
+    """(the chat prompt of SAMPLING_QUESTION, {server name: its SAMPLING_N samples of the first two tokens at T=1}):
+    the no-spec, DFLASH and stress servers sampled at once, no-spec's sample shared by both DFLASH tests."""
+    from sglang_dflash import data
+
+    ids = chat_ids(tokenizer, data.apply_chat([SAMPLING_QUESTION], tokenizer))[0]
+    params = {"temperature": 1.0, "max_new_tokens": 2, "ignore_eos": True}
+    names = ["nospec", "dflash", "dflash_stress"]
+    with ThreadPoolExecutor(len(names)) as pool:
+        return ids, dict(zip(names, pool.map(lambda n: sample_pairs(servers[n], ids, params), names)))
+
+
 @pytest.mark.parametrize("name", ["dflash", "dflash_stress"])
-def test_sampling_distribution_matches_nospec(servers, nospec, tokenizer, name):
+def test_sampling_distribution_matches_nospec(servers, sampled, tokenizer, name):
     """The 2nd generated token (the first one decided by a DFLASH verify step) has the no-spec law, at the block
     size (``dflash``) and at verify widths changing every step (``dflash_stress``).
 
@@ -608,12 +621,9 @@ def test_sampling_distribution_matches_nospec(servers, nospec, tokenizer, name):
     rejecting a draft of the top token, resamples from the full law instead of the residual (top token
     0.67 -> 0.89); that needs a drafter that proposes the top token, i.e. a trained one.
     """
-    from sglang_dflash import data
-
     dflash = servers[name]
-    ids = chat_ids(tokenizer, data.apply_chat([SAMPLING_QUESTION], tokenizer))[0]
-    params = {"temperature": 1.0, "max_new_tokens": 2, "ignore_eos": True}
-    want, got = on_both(nospec, dflash, lambda s: sample_pairs(s, ids, params))
+    ids, samples = sampled
+    want, got = samples["nospec"], samples[name]
     want2, got2 = Counter(t for _, t in want), Counter(t for _, t in got)
 
     top_token, top_count = want2.most_common(1)[0]
