@@ -835,7 +835,7 @@ def test_custom_logit_processors_match_nospec(nospec, dflash, tokenizer, loader_
     from sglang.srt.sampling.custom_logit_processor import (DeepseekOCRNoRepeatNGramLogitProcessor,
                                                             DisallowedTokensLogitsProcessor)
 
-    prompts = [ids for name in loader_prompts for ids in loader_prompts[name][:3]]
+    prompts = [ids for name in loader_prompts for ids in loader_prompts[name][:2]]
     greedy = {"temperature": 0.0, "max_new_tokens": 40}
     common = tokenizer(" the, and.", add_special_tokens=False).input_ids
     window = 256

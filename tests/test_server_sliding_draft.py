@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -67,16 +68,16 @@ def _reference_steps(target: Path, drafter: Path, prompts) -> tuple[list[list[in
 
 def test_sliding_drafter_server_matches_reference_engine(setup, tmp_path):
     target, zlab, bidir, prompts = setup
-    want_tokens, want_steps = _reference_steps(target, zlab, prompts)
-    _, bidir_steps = _reference_steps(target, bidir, prompts)
+    specs = {"dflash": (target, [*COMMON_ARGS, "--disable-overlap-schedule", *dflash_args(zlab)])}
+    with ThreadPoolExecutor(1) as pool:  # the reference engine runs while the server starts
+        references = pool.submit(lambda: [_reference_steps(target, d, prompts) for d in (zlab, bidir)])
+        with launch_servers(specs, log_dir=tmp_path) as servers:
+            server = servers["dflash"]
+            replies = [server.generate(p, {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS}) for p in prompts]
+            log = server.log_text()
+        (want_tokens, want_steps), (_, bidir_steps) = references.result()
     assert bidir_steps != want_steps, "the two readings of the sliding layers must differ on these prompts"
     assert sum(len(s) for s in want_tokens) > sum(want_steps) + len(prompts), "some drafts must be accepted"
-
-    specs = {"dflash": (target, [*COMMON_ARGS, "--disable-overlap-schedule", *dflash_args(zlab)])}
-    with launch_servers(specs, log_dir=tmp_path) as servers:
-        server = servers["dflash"]
-        replies = [server.generate(p, {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS}) for p in prompts]
-        log = server.log_text()
     assert "DFLASH served by sglang-dflash" in log
     assert [r["output_ids"] for r in replies] == want_tokens
     assert [r["meta_info"]["spec_verify_ct"] for r in replies] == want_steps
