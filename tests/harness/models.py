@@ -87,6 +87,23 @@ def make_tiny_llama(
     return out_dir
 
 
+def _randomize(model: torch.nn.Module, seed: int, init_std: float) -> None:
+    """Matrices (``dim >= 2``) N(0, ``init_std``); 1-D parameters keep the model's own init (norm weights, scalars)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * init_std)
+
+
+def _layer_types(num_hidden_layers: int, full_attention_interval: int, other: str) -> list[str]:
+    """``full_attention`` every ``full_attention_interval``-th layer (1-based), ``other`` elsewhere."""
+    if num_hidden_layers % full_attention_interval:
+        raise ValueError(f"num_hidden_layers={num_hidden_layers} is not a multiple of "
+                         f"full_attention_interval={full_attention_interval}")
+    return ["full_attention" if (i + 1) % full_attention_interval == 0 else other for i in range(num_hidden_layers)]
+
+
 def make_tiny_qwen3_5(
     out_dir: str | Path,
     tokenizer_dir: str | Path,
@@ -119,14 +136,10 @@ def make_tiny_qwen3_5(
     from transformers import (AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3NextConfig,
                               Qwen3NextForCausalLM)
 
-    if num_hidden_layers % full_attention_interval:
-        raise ValueError(f"num_hidden_layers={num_hidden_layers} is not a multiple of "
-                         f"full_attention_interval={full_attention_interval}")
+    layer_types = _layer_types(num_hidden_layers, full_attention_interval, "linear_attention")
     out_dir = Path(out_dir)
     copy_tokenizer(tokenizer_dir, out_dir)
     tok = AutoTokenizer.from_pretrained(out_dir)
-    layer_types = ["full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention"
-                   for i in range(num_hidden_layers)]
     moe = dict(num_experts=num_experts, num_experts_per_tok=2, moe_intermediate_size=intermediate_size,
                shared_expert_intermediate_size=intermediate_size, decoder_sparse_step=1, mlp_only_layers=[],
                norm_topk_prob=True) if num_experts else {}
@@ -146,23 +159,10 @@ def make_tiny_qwen3_5(
     cfg.architectures = [model_cls.__name__]
     torch.manual_seed(seed)
     model = model_cls(cfg).to(torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * init_std)
+    _randomize(model, seed, init_std)
     model.config.torch_dtype = "float32"
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
-
-
-def _randomize(model: torch.nn.Module, seed: int, init_std: float) -> None:
-    """Matrices (``dim >= 2``) N(0, ``init_std``); 1-D parameters keep the model's own init (norm weights, scalars)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * init_std)
 
 
 def make_tiny_gemma4(
@@ -193,9 +193,7 @@ def make_tiny_gemma4(
     transformers' init."""
     from transformers import AutoTokenizer, Gemma4ForCausalLM, Gemma4TextConfig
 
-    if num_hidden_layers % full_attention_interval:
-        raise ValueError(f"num_hidden_layers={num_hidden_layers} is not a multiple of "
-                         f"full_attention_interval={full_attention_interval}")
+    layer_types = _layer_types(num_hidden_layers, full_attention_interval, "sliding_attention")
     out_dir = Path(out_dir)
     copy_tokenizer(tokenizer_dir, out_dir)
     tok = AutoTokenizer.from_pretrained(out_dir)
@@ -205,8 +203,7 @@ def make_tiny_gemma4(
         num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, head_dim=head_dim,
         global_head_dim=head_dim, hidden_size_per_layer_input=hidden_size_per_layer_input,
         sliding_window=sliding_window, max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        layer_types=["full_attention" if (i + 1) % full_attention_interval == 0 else "sliding_attention"
-                     for i in range(num_hidden_layers)],
+        layer_types=layer_types,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
     )
     cfg.swa_num_key_value_heads, cfg.swa_head_dim = num_key_value_heads, head_dim
