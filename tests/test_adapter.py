@@ -48,13 +48,20 @@ def test_signature_mismatch_is_reported(monkeypatch):
 
 
 def test_impl_switch(monkeypatch):
+    """The switch is read once per process: later changes of the variable do not move it (each case below clears
+    that memory first, as a fresh process starts without it)."""
     monkeypatch.delenv(hooks.IMPL_ENV, raising=False)
+    hooks.selected_impl.cache_clear()
     assert hooks.selected_impl() == "sglang_dflash"
     monkeypatch.setenv(hooks.IMPL_ENV, "builtin")
+    assert hooks.selected_impl() == "sglang_dflash"
+    hooks.selected_impl.cache_clear()
     assert hooks.selected_impl() == "builtin"
     monkeypatch.setenv(hooks.IMPL_ENV, "other")
+    hooks.selected_impl.cache_clear()
     with pytest.raises(ValueError, match="not one of"):
         hooks.selected_impl()
+    hooks.selected_impl.cache_clear()
 
 
 def _req(**sampling):
@@ -310,6 +317,7 @@ def test_launch_without_attention_backend_gets_a_served_default_on_hopper():
             return get_default(args, False, cfg)
         print("DEFAULTS", default("DFLASH"), default(None), default("EAGLE"))
         os.environ[hooks.IMPL_ENV] = "builtin"
+        hooks.selected_impl.cache_clear()  # as a process started with the variable set
         print("BUILTIN", default("DFLASH"))
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

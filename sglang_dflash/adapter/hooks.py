@@ -51,7 +51,9 @@ EXPECTED_SIGNATURES = {
 }
 
 
+@functools.cache
 def selected_impl() -> str:
+    """`IMPL_ENV`'s choice, read once per process (at plugin load: `install`)."""
     impl = os.environ.get(IMPL_ENV, "sglang_dflash").strip().lower()
     if impl not in IMPLS:
         raise ValueError(f"{IMPL_ENV}={impl!r} is not one of {IMPLS}.")
