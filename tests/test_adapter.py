@@ -924,6 +924,28 @@ def test_hybrid_extra_buffer_asked_for_is_refused_with_the_fix(qwen3_next_target
         hybrid.resolve_server_args(_hybrid_args("extra_buffer", "extra_buffer"))
 
 
+def test_hybrid_target_on_cpu_only_on_a_checked_sglang(qwen3_next_target, monkeypatch):
+    """The launcher's CPU set-up (`cpu_platform.check_hybrid_target`) lets a hybrid target start only on an SGLang
+    release the plugin's CPU Gated DeltaNet ops were checked against, and refuses it elsewhere in one line naming the
+    fix; a pure-attention target is not asked."""
+    import re
+
+    import sglang
+
+    from sglang_dflash.adapter import cpu_platform, hybrid
+
+    args = SimpleNamespace()
+    if sglang.__version__ in cpu_platform.CPU_GDN_CHECKED_SGLANG:
+        cpu_platform.check_hybrid_target(args)
+    monkeypatch.setattr(cpu_platform, "CPU_GDN_CHECKED_SGLANG", ("0.0.1",))
+    with pytest.raises(ValueError, match=rf"^sglang-dflash: Qwen3NextForCausalLM \(a hybrid linear-attention target\) "
+                                         rf"on CPU is served with sglang==0.0.1 only; with sglang=="
+                                         rf"{re.escape(sglang.__version__)} .*Install sglang==0.0.1 to serve it on CPU"):
+        cpu_platform.check_hybrid_target(args)
+    monkeypatch.setattr(hybrid, "target_state_config", lambda model_config: None)
+    cpu_platform.check_hybrid_target(args)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("copy", ["host_to_device", "blocking"])
 def test_slot_index_copy_does_not_wait_for_the_running_step(copy):

@@ -50,6 +50,10 @@ on a CPU-only host (no CUDA / ROCm / XPU / MPS device, no NPU / HPU / MUSA runti
 10. **Unset intermediate sizes.** SGLang 0.5.17's CPU model loading pads every ``*intermediate_size`` field of the
    config to the tensor-parallel size and fails on one that is present but None (``None % int``; Gemma 4's
    ``moe_intermediate_size`` without MoE blocks); such a field is left alone, as later releases do.
+11. **Hybrid targets outside the checked SGLang releases.** The Gated DeltaNet ops of `cpu_linear_attn` follow the
+   call sites of the releases in `CPU_GDN_CHECKED_SGLANG`; on SGLang 0.5.23 a hybrid target served with them gives
+   other tokens than the model's (no-spec and DFLASH alike: a tiny Qwen3.5, transformers' greedy output differs
+   from the first token on). On any other release a hybrid target on CPU is refused at start-up, naming the fix.
 """
 
 from __future__ import annotations
@@ -69,6 +73,8 @@ SHIM_DIR = Path(__file__).resolve().parent / "cpu_shim"
 KV_RAM_SHARE = 8
 # Attention backends that run on CPU (intel_amx only with sgl-kernel's CPU build).
 CPU_BACKENDS = ("torch_native", "intel_amx")
+# SGLang releases whose hybrid models' CPU call sites `cpu_linear_attn` was checked against (item 11)
+CPU_GDN_CHECKED_SGLANG = ("0.5.17",)
 CONV_DTYPE_ENV = "SGLANG_MAMBA_CONV_DTYPE"  # SGLang's dtype of the linear-attention conv state (default bfloat16)
 # Runtimes of accelerators SGLang serves through their own platform code; their presence leaves the host alone.
 _ACCELERATOR_RUNTIMES = ("torch_npu", "habana_frameworks", "torchada")
@@ -211,6 +217,7 @@ def _cpu_attention_backend(original, server_args) -> None:
     if view.device != "cpu":
         return
     _cpu_tensor_parallel(view)
+    check_hybrid_target(view)
     conv_state_dtype(view)
     if chosen is not None:
         check_cpu_attention_backend(chosen)
@@ -249,6 +256,24 @@ def _cpu_tensor_parallel(server_args) -> None:
         chosen.append("TORCH_COMPILE_DISABLE=1 (no C++ compile of the vocab-parallel embedding at the first request)")
     logger.info("sglang-dflash: CPU tensor parallelism over %d ranks on gloo%s%s", tp, "; " if chosen else "",
                 "; ".join(chosen))
+
+
+def check_hybrid_target(server_args) -> None:
+    """11 of the module docstring, in the launcher: a hybrid target on CPU only on `CPU_GDN_CHECKED_SGLANG`."""
+    import sglang
+
+    from sglang_dflash.adapter import compat, hybrid
+
+    if sglang.__version__ in CPU_GDN_CHECKED_SGLANG:
+        return
+    model_config = compat.model_config(server_args)
+    if hybrid.target_state_config(model_config) is None:
+        return
+    arch = model_config.hf_config.architectures[0]
+    checked = ", ".join(f"sglang=={v}" for v in CPU_GDN_CHECKED_SGLANG)
+    raise ValueError(f"sglang-dflash: {arch} (a hybrid linear-attention target) on CPU is served with {checked} "
+                     f"only; with sglang=={sglang.__version__} the plugin's CPU Gated DeltaNet ops give other tokens "
+                     f"than the model's. Install {checked} to serve it on CPU, or serve it on a GPU.")
 
 
 def conv_state_dtype(server_args) -> None:
