@@ -212,11 +212,14 @@ def continuation_gap(conv_dtype, lens, m, chunk=None):
     return gap
 
 
-def cpu_launcher_setup(dtype: str) -> None:
+def cpu_launcher_setup(dtype: str, monkeypatch) -> None:
     """What the plugin does to a CPU server's arguments in the launcher (its ``_handle_cpu_backends`` hook), for
-    ``--dtype dtype``; its environment is what the scheduler processes inherit."""
+    ``--dtype dtype``; its environment is what the scheduler processes inherit. The stand-in arguments name no
+    model: the check of the target's kind (`cpu_platform.check_hybrid_target`, tested in test_adapter.py) is
+    skipped."""
     from sglang_dflash.adapter import cpu_platform
 
+    monkeypatch.setattr(cpu_platform, "check_hybrid_target", lambda server_args: None)
     cpu_platform._cpu_attention_backend(lambda args: None, SimpleNamespace(
         device="cpu", dtype=dtype, tp_size=1, attention_backend="torch_native", enable_torch_compile=False))
 
@@ -235,12 +238,12 @@ def test_float32_server_keeps_float32_conv_states(conv_env):
     from sglang.srt.configs.mamba_utils import mamba2_state_dtype
 
     assert mamba2_state_dtype().conv == torch.bfloat16
-    cpu_launcher_setup("bfloat16")
+    cpu_launcher_setup("bfloat16", conv_env)
     assert mamba2_state_dtype().conv == torch.bfloat16
-    cpu_launcher_setup("float32")
+    cpu_launcher_setup("float32", conv_env)
     assert (mamba2_state_dtype().conv, mamba2_state_dtype().temporal) == (torch.float32, torch.float32)
     conv_env.setenv("SGLANG_MAMBA_CONV_DTYPE", "float16")
-    cpu_launcher_setup("float32")
+    cpu_launcher_setup("float32", conv_env)
     assert mamba2_state_dtype().conv == torch.float16
 
 
@@ -250,7 +253,7 @@ def test_prefill_then_decode_equals_a_longer_prefill(conv_env, lens, chunk):
     """In the conv state dtype of a float32 CPU server (SGLang's ``mamba2_state_dtype`` after the plugin's set-up)."""
     from sglang.srt.configs.mamba_utils import mamba2_state_dtype
 
-    cpu_launcher_setup("float32")
+    cpu_launcher_setup("float32", conv_env)
     assert continuation_gap(mamba2_state_dtype().conv, lens, m=4, chunk=chunk) < 1e-5
 
 
