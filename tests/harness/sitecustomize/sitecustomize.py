@@ -31,6 +31,11 @@ is the plugin's own set-up (``sglang_dflash.adapter.cpu_platform``), not this fi
 5. ``SGLANG_DFLASH_TEST_WIDTHS=16,1,3``: sglang-dflash's verify width cycles through these widths, one per decode
    step, whatever the policy would choose (the server must run adaptive, i.e. more than one candidate width); the
    scheduler logs ``TEST: verify widths cycle [...]`` once.
+6. SGLang starts its scheduler and detokenizer with the ``spawn`` start method, so each re-imports SGLang (~10-14 s
+   of CPU each, the bulk of a CPU server's start-up). A test server forks them from the launcher instead, which has
+   imported it already (a SmolLM2 server ready in ~16 s instead of ~25 s on 2 cores). The spawn path the product
+   takes is what ``tests/test_cpu_serving.py`` and ``tests/test_quickstart.py`` start (without this file);
+   ``SGLANG_DFLASH_TEST_SPAWN=1`` keeps it here too.
 """
 
 import itertools
@@ -166,3 +171,16 @@ if os.environ.get("SGLANG_DFLASH_TEST_ORACLE_DRAFT"):
     sys.meta_path.insert(0, _PatchAfterImport("sglang_dflash.adapter.step", _patch_step_oracle))
 if os.environ.get("SGLANG_DFLASH_TEST_BROKEN_STATE_COMMIT") == "1":
     sys.meta_path.insert(0, _PatchAfterImport("sglang_dflash.adapter.hybrid", _patch_hybrid))
+
+
+
+# 6. SGLang's processes forked from the launcher (see the module docstring)
+if os.environ.get("SGLANG_DFLASH_TEST_SPAWN") != "1":
+    import multiprocessing
+
+    _set_start_method = multiprocessing.set_start_method
+
+    def _fork_start_method(method, force=False):
+        return _set_start_method("fork" if method == "spawn" else method, force=force)
+
+    multiprocessing.set_start_method = _fork_start_method
