@@ -34,7 +34,7 @@ is the plugin's own set-up (``sglang_dflash.adapter.cpu_platform``), not this fi
 6. SGLang starts its scheduler and detokenizer with the ``spawn`` start method, so each re-imports SGLang (~10-14 s
    of CPU each, the bulk of a CPU server's start-up). A test server forks them from the launcher instead, which has
    imported it already (a SmolLM2 server ready in ~16 s instead of ~25 s on 2 cores). The spawn path the product
-   takes is what ``tests/test_cpu_serving.py`` and ``tests/test_quickstart.py`` start (without this file);
+   takes is what ``tests/test_cpu_serving.py`` starts (the README's command, without this file);
    ``SGLANG_DFLASH_TEST_SPAWN=1`` keeps it here too.
 """
 
