@@ -60,6 +60,38 @@ def make_draft_config(target_config, num_hidden_layers: int = 2, block_size: int
     )
 
 
+# Seconds each module's fast-tier tests take on a 2-core CPU machine (one core each); only `--shard` reads them, to
+# balance its shares (a module missing here counts as 2 s).
+FAST_TIER_SECONDS = {"test_hf.py": 120, "test_adapter.py": 95, "test_train_ddp.py": 28, "test_assets.py": 23,
+                     "test_tp.py": 19, "test_verify.py": 17, "test_train.py": 9, "test_cpu_serving.py": 9,
+                     "test_draft_kernels.py": 9, "test_model.py": 8, "test_zlab_semantics.py": 8, "test_bootstrap.py": 7,
+                     "test_bench.py": 7, "test_harness_cleanup.py": 5, "test_attention_plan.py": 4, "test_kernels.py": 4}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--shard", metavar="K/N", default=None,
+                     help="run the K-th of N shares of the selected test modules (whole modules, balanced by "
+                          "FAST_TIER_SECONDS); tests/run.py runs the fast tier as shares side by side")
+
+
+@pytest.hookimpl(trylast=True)  # after -m / -k deselected theirs
+def pytest_collection_modifyitems(config, items):
+    spec = config.getoption("--shard")
+    if not spec:
+        return
+    k, n = (int(x) for x in spec.split("/"))
+    if not 1 <= k <= n:
+        raise pytest.UsageError(f"--shard {spec}: K must lie in 1..N")
+    modules = sorted({item.path.name for item in items}, key=lambda m: (-FAST_TIER_SECONDS.get(m, 2.0), m))
+    load, owner = [0.0] * n, {}
+    for m in modules:  # longest first, each to the least loaded share
+        owner[m] = load.index(min(load))
+        load[owner[m]] += FAST_TIER_SECONDS.get(m, 2.0)
+    keep = [item for item in items if owner[item.path.name] == k - 1]
+    config.hook.pytest_deselected(items=[item for item in items if owner[item.path.name] != k - 1])
+    items[:] = keep
+
+
 _being_set_up = {}  # "item": the test whose setup (fixtures included) or call is running
 
 

@@ -7,11 +7,14 @@ SGLang server starts, minutes on a CPU), then the server tier (``-m server``); t
 (`bootstrap.NEWEST_SGLANG`, in `.venv-sglang-<version>`) the fast tier and the DFLASH server tests of greedy
 identity, multi-turn chat and sampled distribution. The first failing stage stops the run. ``--fast`` runs the
 default SGLang's fast tier alone, ``--sglang VERSION`` only the stages of that SGLang (``--fast`` with it: its fast
-tier). A stage that the args leave empty counts as passed.
+tier). A stage that the args leave empty counts as passed. A fast tier runs as ``FAST_SHARDS`` pytest processes side
+by side, each a share of the test modules (``--shard``, ``tests/conftest.py``): its tests run on one core each, and
+the server tier's servers already use every core.
 """
 
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,6 +31,7 @@ STAGES = (
                                "-k", "greedy_matches or multi_turn or sampling_distribution"]),
 )
 NO_TESTS_COLLECTED = 5  # pytest's exit code when the selection is empty
+FAST_SHARDS = 2
 
 
 def select(argv: list[str]) -> tuple[list[tuple[str, str, list[str]]], list[str]]:
@@ -47,6 +51,27 @@ def select(argv: list[str]) -> tuple[list[tuple[str, str, list[str]]], list[str]
     return [s for s in STAGES if s[0] in pins and (s[1] == "fast" or not fast)], args
 
 
+def run_pytest(command: list[str], n: int) -> int:
+    """The pytest ``command``, as ``n`` processes side by side (``--shard k/n``) when ``n`` > 1: the first prints as it
+    goes, the others' output follows when each ends. Exit code: the first failing shard's; ``NO_TESTS_COLLECTED`` when
+    every shard's selection was empty; else 0."""
+    if n == 1:
+        return subprocess.call(command, cwd=REPO)
+    logs = [None] + [tempfile.TemporaryFile(mode="w+") for _ in range(1, n)]
+    procs = [subprocess.Popen([*command, "--shard", f"{k + 1}/{n}"], cwd=REPO, stdout=log,
+                              stderr=subprocess.STDOUT if log else None) for k, log in enumerate(logs)]
+    codes = [p.wait() for p in procs]
+    for k, log in enumerate(logs[1:], start=2):
+        log.seek(0)
+        print(f"-- shard {k}/{n} --", flush=True)
+        sys.stdout.write(log.read())
+        sys.stdout.flush()
+    failed = [c for c in codes if c not in (0, NO_TESTS_COLLECTED)]
+    if failed:
+        return failed[0]
+    return NO_TESTS_COLLECTED if all(c == NO_TESTS_COLLECTED for c in codes) else 0
+
+
 def main(argv: list[str]) -> int:
     stages, args = select(argv)
     if any(pin == DEFAULT_SGLANG for pin, _, _ in stages):
@@ -56,7 +81,8 @@ def main(argv: list[str]) -> int:
         python = sys.executable if pin == DEFAULT_SGLANG else setup_env(pin)
         print(f"== tests/run.py: {pin}, {name} tier ({' '.join(selection)}) ==", flush=True)
         start = time.monotonic()
-        code = subprocess.call([str(python), "-m", "pytest", "-q", "-ra", *selection, *args], cwd=REPO)
+        command = [str(python), "-m", "pytest", "-q", "-ra", *selection, *args]
+        code = run_pytest(command, FAST_SHARDS if name == "fast" else 1)
         print(f"== tests/run.py: {pin}, {name} tier exit code {code}, {time.monotonic() - start:.0f} s ==",
               flush=True)
         if code == NO_TESTS_COLLECTED:

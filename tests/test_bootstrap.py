@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import sys
 import tomllib
 from pathlib import Path
 
@@ -150,10 +151,48 @@ def test_run_py_stages_in_order_and_stops_at_the_first_failure(monkeypatch):
     pythons, codes = [], []
     monkeypatch.setattr(run, "ensure_env", lambda: None)
     monkeypatch.setattr(run, "setup_env", lambda pin: Path(f"/env-{pin}/python"))
-    monkeypatch.setattr(run.subprocess, "call", lambda cmd, cwd: pythons.append(cmd[0]) or codes.pop(0))
+    shards = []
+    monkeypatch.setattr(run, "run_pytest", lambda cmd, n: pythons.append(cmd[0]) or shards.append(n) or codes.pop(0))
     codes[:] = [0, 0, 5, 0]
     assert run.main([]) == 0
     assert pythons == [run.sys.executable] * 2 + [f"/env-{newest}/python"] * 2
+    assert shards == [run.FAST_SHARDS, 1, run.FAST_SHARDS, 1]  # fast tiers as shares side by side
     pythons.clear()
     codes[:] = [0, 0, 1, 0]
     assert run.main(["-x"]) == 1 and len(pythons) == 3  # the newest SGLang's fast tier failed: no server stage
+
+
+def test_run_pytest_shards_run_side_by_side_and_combine_exit_codes(capsys):
+    import run
+
+    # a stand-in for pytest: prints its share and exits with the code given for it
+    def fake(codes):
+        return [sys.executable, "-c", f"import sys; k = int(sys.argv[-1][0]); print('share', k); "
+                                      f"sys.exit({codes}[k - 1])"]
+
+    assert run.run_pytest(fake([0, 0]), 2) == 0
+    assert run.run_pytest(fake([0, 3]), 2) == 3  # a failing share fails the stage
+    assert run.run_pytest(fake([5, 0]), 2) == 0  # one share had nothing selected
+    assert run.run_pytest(fake([5, 5]), 2) == run.NO_TESTS_COLLECTED
+    out = capsys.readouterr().out
+    assert out.count("-- shard 2/2 --") == 4 and out.count("share 2") == 4
+
+
+def test_shards_split_the_selection_into_whole_modules():
+    """`--shard K/N` (tests/conftest.py): the shares are disjoint, cover every selected test, and keep modules
+    whole (a module fixture is built once)."""
+    import subprocess
+
+    files = [str(REPO / "tests" / f) for f in ("test_config.py", "test_policy.py", "test_compare.py")]
+
+    def collected(*args):
+        out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                              *args, *files], cwd=REPO, capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout[-2000:]
+        return {line for line in out.stdout.splitlines() if "::" in line}
+
+    shares = [collected("--shard", f"{k}/2") for k in (1, 2)]
+    assert shares[0] and shares[1] and not shares[0] & shares[1]
+    assert shares[0] | shares[1] == collected()
+    modules = [{test.split("::")[0] for test in share} for share in shares]
+    assert not modules[0] & modules[1]

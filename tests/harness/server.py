@@ -3,10 +3,10 @@
 CPU mode (``SGLANG_DFLASH_TEST_DEVICE`` unset or ``cpu``; what CI runs): the server runs stock SGLang with
 ``SGLANG_USE_CPU_ENGINE=1 --device cpu`` and the ``torch_native`` attention backend, set up for the CPU by the plugin
 itself (``sglang_dflash.adapter.cpu_platform``; ``tests/test_cpu_serving.py`` starts the README's command without any
-of this). ``sitecustomize/`` is put first on the server's PYTHONPATH for two test-only switches (see its docstring):
-SGLang's overlap scheduler calls ``Tensor.record_stream``, which torch refuses for CPU streams; ``sitecustomize`` makes
-it a no-op for CPU tensors, so the overlap schedule runs on CPU where a test asks for it (sglang-dflash:
-``SGLANG_DFLASH_TEST_CPU_OVERLAP=1``; SGLang's own speculative algorithms switch it off on CPU).
+of this). ``sitecustomize/`` is put first on the server's PYTHONPATH for test-only switches (see its docstring), e.g.
+the overlap schedule on CPU where a test asks for it (``SGLANG_DFLASH_TEST_CPU_OVERLAP=1``: SGLang's overlap
+scheduler calls ``Tensor.record_stream``, which torch refuses for CPU streams, so that is a no-op for CPU tensors
+there), and SGLang's scheduler and detokenizer forked from the launcher rather than spawned (a faster start-up).
 
 GPU mode (``SGLANG_DFLASH_TEST_DEVICE=cuda``): the server gets ``CUDA_SERVER_ARGS`` (``--device cuda``, the
 attention backend ``$SGLANG_DFLASH_TEST_GPU_BACKEND`` -- ``flashinfer`` by default, what the benchmarks serve,
