@@ -74,10 +74,11 @@ FAMILIES = {
                dict(_SMALL, hidden_size_per_layer_input=64, global_head_dim=64, sliding_window=128,
                     layer_types=_every(4, 8, "full_attention", "sliding_attention")),
                {"swa_num_key_value_heads": 2, "swa_head_dim": 64}),  # SGLang's sliding-window pool reads these
-    # MLA: DeepSeek-V2-Lite's layout, first layer dense, the rest MoE.
+    # MLA: DeepSeek-V2-Lite's layout and head sizes (SGLang's Triton MLA decode kernel does not compile for a latent
+    # of 128), first layer dense, the rest MoE.
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", "DeepseekV2ForCausalLM",
-                    dict({k: v for k, v in _SMALL.items() if k != "head_dim"}, q_lora_rank=None, kv_lora_rank=128,
-                         qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=8,
+                    dict({k: v for k, v in _SMALL.items() if k != "head_dim"}, q_lora_rank=None, kv_lora_rank=512,
+                         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=8,
                          num_experts_per_tok=2, moe_intermediate_size=256, n_shared_experts=1,
                          first_k_dense_replace=1, moe_layer_freq=1, topk_method="greedy", n_group=1, topk_group=1,
                          scoring_func="softmax", routed_scaling_factor=1.0, norm_topk_prob=False, ep_size=1,
