@@ -8,8 +8,8 @@ SGLang server starts, minutes on a CPU), then the server tier (``-m server``); t
 identity, multi-turn chat and sampled distribution. The first failing stage stops the run. ``--fast`` runs the
 default SGLang's fast tier alone, ``--sglang VERSION`` only the stages of that SGLang (``--fast`` with it: its fast
 tier). A stage that the args leave empty counts as passed. A fast tier runs as ``FAST_SHARDS`` pytest processes side
-by side, each a share of the test modules (``--shard``, ``tests/conftest.py``): its tests run on one core each, and
-the server tier's servers already use every core.
+by side, each a share of the test modules (``--shard``, ``tests/conftest.py``): its tests run on one core each. The
+server tier stays one process: two processes' SGLang servers at once would not fit in a 24 GB CI machine.
 """
 
 import subprocess

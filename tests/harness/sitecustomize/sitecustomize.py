@@ -173,7 +173,6 @@ if os.environ.get("SGLANG_DFLASH_TEST_BROKEN_STATE_COMMIT") == "1":
     sys.meta_path.insert(0, _PatchAfterImport("sglang_dflash.adapter.hybrid", _patch_hybrid))
 
 
-
 # 6. SGLang's processes forked from the launcher (see the module docstring)
 if os.environ.get("SGLANG_DFLASH_TEST_SPAWN") != "1":
     import multiprocessing
