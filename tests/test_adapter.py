@@ -147,18 +147,6 @@ def _resolved(args):
     return compat.resolving(args)
 
 
-def _gpu_refused(args) -> bool:
-    """On an SGLang whose paged verify attention takes a KV-location plan, DFLASH off the CPU is refused: assert so."""
-    from sglang_dflash.adapter import compat
-    from sglang_dflash.adapter.server_args import resolve_server_args
-
-    if not compat.VERIFY_ARGS_KEYWORD_PLAN or args.device == "cpu":
-        return False
-    with pytest.raises(ValueError, match="runs on CPU .*only"):
-        resolve_server_args(args)
-    return True
-
-
 @pytest.mark.parametrize("config, match", [
     ('{"widths": [0, 4]}', r"^sglang-dflash: --speculative-adaptive-config: widths must be a non-empty list of "
                            r"integers in \[1, 8\] \(the block size\)"),
@@ -185,13 +173,25 @@ def test_server_args_resolved_from_the_draft(draft_dir):
     from sglang_dflash.adapter.server_args import resolve_server_args
 
     args = _args(draft_dir, device="cuda")
-    if _gpu_refused(args):
-        return
     resolve_server_args(args)
     args = _resolved(args)
     assert (args.speculative_num_draft_tokens, args.speculative_dflash_block_size) == (8, 8)
     assert (args.speculative_num_steps, args.speculative_eagle_topk) == (1, 1)
     assert args.disable_overlap_schedule is False  # SGLang's overlap schedule serves DFLASH on CUDA
+
+
+@pytest.mark.parametrize("device", ["cuda", None])
+@pytest.mark.parametrize("backend", ["flashinfer", "triton", None])
+def test_gpu_paged_backends_are_served_on_every_supported_sglang(draft_dir, device, backend):
+    """DFLASH on a GPU with FlashInfer or Triton (or SGLang's default) resolves on every supported SGLang, 0.5.23's
+    KV-location plan included (`compat.VERIFY_ARGS_KEYWORD_PLAN`; served by `spec_inputs.DFlashBlockInput`)."""
+    from sglang_dflash.adapter.server_args import resolve_server_args
+
+    args = _args(draft_dir, device=device, attention_backend=backend)
+    resolve_server_args(args)
+    resolved = _resolved(args)
+    assert (resolved.speculative_num_draft_tokens, resolved.speculative_dflash_block_size) == (8, 8)
+    assert resolved.attention_backend == backend and resolved.disable_overlap_schedule is False
 
 
 @pytest.mark.parametrize("device, overlap", [("cuda", True), (None, True), ("cpu", False)])
@@ -201,8 +201,6 @@ def test_overlap_schedule_where_streams_exist(draft_dir, device, overlap):
     from sglang_dflash.adapter.server_args import resolve_server_args
 
     args = _args(draft_dir, device=device)
-    if _gpu_refused(args):
-        return
     resolve_server_args(args)
     assert _resolved(args).disable_overlap_schedule is (not overlap)
     args = _args(draft_dir, device=device, disable_overlap_schedule=True)
@@ -256,6 +254,7 @@ def test_tensor_parallel_sizes_that_divide_the_draft_are_accepted(draft_dir, tp,
     ({"tp_size": 8}, r"the draft's num_attention_heads=4 cannot be split over --tp-size 8 .*Use a --tp-size that "
                      r"divides them"),
     ({"dp_size": 2, "enable_dp_attention": True}, "--enable-dp-attention"),
+    ({"tp_size": 2, "attn_dp_size": 2}, r"data-parallel attention .*--attn-dp-size"),
     ({"disaggregation_mode": "decode"}, "--disaggregation-mode decode"),
     ({"page_size": 16}, "--page-size 16"),
     ({"attention_backend": "fa3"}, "--attention-backend fa3"),
@@ -529,9 +528,11 @@ def test_mismatched_sglang_refuses_dflash_only():
 
 
 def test_block_kv_layout_gathers_prefix_and_block_per_request():
-    """write_block_kv_layout (what the verify/draft attention reads, also written inside the step graphs) on odd
-    sizes, run by SGLang's Triton kernel under TRITON_INTERPRET=1 (a subprocess: the variable is read at import)
-    into poisoned buffers: request i reads req_to_token[row_i, : prefix_i + block], packed in batch order."""
+    """write_block_kv_layout (the step graphs' device-side layout, and the verify attention's on SGLang without the
+    KV-location plan) on odd sizes, run by SGLang's Triton kernel under TRITON_INTERPRET=1 (a subprocess: the
+    variable is read at import) into poisoned buffers: request i reads req_to_token[row_i, s_i : s_i + prefix_i +
+    block] (s_i = kv_start_idx[i], 0 without), packed in batch order. The verify layout against SGLang's own:
+    test_verify_args.py."""
     import os
     import subprocess
     import sys
@@ -539,24 +540,22 @@ def test_block_kv_layout_gathers_prefix_and_block_per_request():
 
     code = textwrap.dedent("""
         import torch
-        from sglang_dflash.adapter.spec_inputs import DFlashBlockInput, write_block_kv_layout
+        from sglang_dflash.adapter.spec_inputs import write_block_kv_layout
         g = torch.Generator().manual_seed(5)
-        for bs, block in ((1, 3), (3, 16), (5, 7)):
+        for bs, block, windowed in ((1, 3, False), (3, 16, False), (5, 7, False), (3, 4, True), (5, 16, True)):
             pool, ctx = bs + 2, 61
             req_to_token = torch.randperm(pool * ctx, generator=g).to(torch.int32).view(pool, ctx)
             rows = torch.randperm(pool, generator=g)[:bs]
             prefix = torch.randint(0, ctx - block + 1, (bs,), generator=g)
+            start = torch.randint(0, 3, (bs,), generator=g) * (ctx - block - prefix) // 2 if windowed else None
+            first = start.tolist() if windowed else [0] * bs
             indptr = torch.full((bs + 1,), -7, dtype=torch.int32)
             indices = torch.full((int(prefix.sum()) + bs * block + 4,), -7, dtype=torch.int32)
-            write_block_kv_layout(req_to_token, rows, prefix, block, indptr, indices)
-            want = torch.cat([req_to_token[r, : p + block] for r, p in zip(rows.tolist(), prefix.tolist())])
+            write_block_kv_layout(req_to_token, rows, prefix, block, indptr, indices, start)
+            want = torch.cat([req_to_token[r, s : s + p + block]
+                              for r, s, p in zip(rows.tolist(), first, prefix.tolist())])
             assert indptr.tolist() == [0] + torch.cumsum(prefix + block, 0).tolist(), indptr
             assert torch.equal(indices[: len(want)], want) and (indices[len(want):] == -7).all()
-            got = DFlashBlockInput(draft_token=torch.zeros(bs * block, dtype=torch.int64), positions=None,
-                                   draft_token_num=block).generate_attn_arg_prefill(rows, prefix, int(prefix.sum()),
-                                                                                    req_to_token)
-            assert torch.equal(got[0][: len(want)], want) and torch.equal(got[1], indptr)
-            assert got[2].tolist() == list(range(0, (bs + 1) * block, block)) and got[3] is None
         print("LAYOUT OK")
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1"}

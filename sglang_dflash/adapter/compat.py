@@ -12,10 +12,13 @@ it, the capabilities below pick each path:
 * `KV_FIELDS_ON_REQ_KV` (0.5.23): a request's ``req_pool_idx`` / ``kv_committed_len`` live on ``req.kv``
   (``ReqKvInfo``), its sliding-window eviction cursors in a per-component dict; before, on the request and in
   ``req.kv.swa_evicted_seqlen``. `req_pool_idx`, `committed_len`, `truncate_kv`.
-* `VERIFY_ARGS_KEYWORD_PLAN` (0.5.23): the paged (FlashInfer / Triton) verify attention calls
-  ``generate_attn_arg_prefill`` with keyword-only ``translator`` / ``plan`` / ``kind`` (no ``req_to_token``). Not
-  served yet: DFLASH there runs on torch_native (CPU) only, other backends are refused at start-up
-  (`server_args.resolve_server_args`).
+* `VERIFY_ARGS_KEYWORD_PLAN` (0.5.23): SGLang's KV-location plan. Every forward batch carries one
+  (``kv_loc_plan``: its write window and reads, translated once per sub-pool by the runner's ``KVIndexTranslator``),
+  and FlashInfer calls a verify input's ``generate_attn_arg_prefill`` with keyword-only ``translator`` / ``plan``
+  / ``kind`` (no ``req_to_token``), the read stream coming from ``translator.pack_read_stream``. Served:
+  `spec_inputs.DFlashBlockInput` defines the form of the installed release, and the step's own forward batches
+  bind their plan (`bind_kv_plan`) before attention is planned; the step graphs, whose device-side layout reads
+  ``req_to_token``, stay off (`step_graphs.capture`). Before, reads came from ``req_to_token`` alone.
 * `KV_INDICES_KERNEL_MOVED` (0.5.23): ``create_flashinfer_kv_indices_triton`` lives in
   ``sglang.kernels.ops.attention.kv_indices``; imported from here.
 * `unchecked_flashinfer`: the step graphs' device-side FlashInfer plan (`kernels.attention_plan`) mirrors
@@ -53,6 +56,19 @@ if KV_INDICES_KERNEL_MOVED:
     from sglang.kernels.ops.attention.kv_indices import create_flashinfer_kv_indices_triton  # noqa: F401
 else:
     from sglang.kernels.ops.attention.utils import create_flashinfer_kv_indices_triton  # noqa: F401
+
+# SGLang's KV-location plan (`VERIFY_ARGS_KEYWORD_PLAN`): the id-space enum and the translator methods the adapter
+# calls (dotted path -> parameter names; checked with the hooks)
+if VERIFY_ARGS_KEYWORD_PLAN:
+    from sglang.srt.mem_cache.kv_loc_plan import IdSpaceKind  # noqa: F401
+
+    KV_PLAN_CALLS = {
+        "sglang.srt.mem_cache.kv_index_translator.KVIndexTranslator.pack_read_stream": [
+            "self", "plan", "req_pool_indices", "seq_lens", "indptr", "out", "kv_start_idx", "kind"],
+        "sglang.srt.mem_cache.kv_index_translator.KVIndexTranslator.bind_own_plan": ["self", "forward_batch"],
+    }
+else:
+    KV_PLAN_CALLS = {}
 
 # FlashInfer releases whose split-kv planning rule `kernels.attention_plan` was checked against on a GPU
 PLAN_CHECKED_FLASHINFER = ("0.6.15.post1",)
@@ -157,6 +173,20 @@ def truncate_kv(cache, req, keep: int) -> None:
     else:
         req.kv_committed_len = min(req.kv_committed_len, keep)
         kv.swa_evicted_seqlen = min(kv.swa_evicted_seqlen, keep)
+
+
+# ---- the KV-location plan of a hand-built forward batch ----------------------------------------------------
+def kv_translator(runner):
+    """``runner``'s KVIndexTranslator (None where SGLang has no KV-location plan)."""
+    return runner.kv_index_translator if VERIFY_ARGS_KEYWORD_PLAN else None
+
+
+def bind_kv_plan(translator, forward_batch) -> None:
+    """Give ``forward_batch``, built by hand, the plan ``ForwardBatch.init_new`` gives SGLang's own: its
+    ``out_cache_loc`` as the write window, its rows and ``seq_lens`` (+ the verify block) as the reads. Call once its
+    ``out_cache_loc`` holds the step's slots; nothing to do before `VERIFY_ARGS_KEYWORD_PLAN`."""
+    if VERIFY_ARGS_KEYWORD_PLAN:
+        translator.bind_own_plan(forward_batch)
 
 
 # ---- FlashInfer ------------------------------------------------------------------------------------------------

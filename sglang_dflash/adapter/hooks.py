@@ -46,6 +46,8 @@ EXPECTED_SIGNATURES = {
     # used (not hooked) by the whole-step CUDA graphs (step_graphs)
     "sglang.srt.layers.attention.flashinfer_backend.FlashInferAttnBackend.init_forward_metadata_out_graph": [
         "self", "forward_batch", "in_capture"],
+    # used (not hooked) by the verify attention's layout and the step's own batches (SGLang 0.5.23+)
+    **compat.KV_PLAN_CALLS,
     # the CPU set-up's hooks
     **{target: params for target, (_hook, params) in cpu_platform.hooks().items()},
 }

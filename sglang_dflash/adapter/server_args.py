@@ -65,9 +65,11 @@ def resolve_server_args(raw_args) -> None:
     if (server_args.disaggregation_mode or "null") != "null":
         _fail(f"--disaggregation-mode {server_args.disaggregation_mode} is not supported (the draft KV of the prompt "
               "is not transferred with the target's)", "Serve DFLASH without prefill/decode disaggregation.")
-    if server_args.enable_dp_attention:
-        _fail("--enable-dp-attention is not supported", "Remove the flag; --dp-size M alone serves M replicas, each "
-              "sharded over --tp-size N.")
+    # DP attention: --enable-dp-attention, or from SGLang 0.5.23 --attn-dp-size N (the old spelling resolves to it
+    # before this runs)
+    if server_args.enable_dp_attention or (getattr(server_args, "attn_dp_size", None) or 1) > 1:
+        _fail("data-parallel attention (--enable-dp-attention / --attn-dp-size) is not supported",
+              "Remove the flag; --dp-size M alone serves M replicas, each sharded over --tp-size N.")
     if server_args.page_size not in (None, 1):
         _fail(f"--page-size {server_args.page_size} is not supported", "Use --page-size 1.")
     if server_args.speculative_draft_window_size is not None:
@@ -81,10 +83,6 @@ def resolve_server_args(raw_args) -> None:
     backend = server_args.attention_backend
     if backend is not None and backend not in _SUPPORTED_BACKENDS:
         _fail(f"--attention-backend {backend} is not supported", f"Use one of {_SUPPORTED_BACKENDS}.")
-    if compat.VERIFY_ARGS_KEYWORD_PLAN and not _on_cpu(server_args):
-        _fail("on this SGLang (its paged verify attention takes a KV-location plan) DFLASH served by sglang-dflash "
-              "runs on CPU (torch_native) only", "Serve on a GPU with sglang==0.5.17, or set SGLANG_DFLASH_IMPL=builtin "
-              "for SGLang's own DFLASH.")
     if server_args.speculative_eagle_topk not in (None, 1) or server_args.speculative_num_steps not in (None, 1):
         _fail("DFLASH verifies one linear block: --speculative-eagle-topk/--speculative-num-steps must be 1",
               "Remove those flags.")

@@ -24,6 +24,7 @@ from sglang.srt.mem_cache.allocation import alloc_token_slots
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.speculative.spec_info import SpecInput, SpecInputType
 
+from sglang_dflash.adapter import compat
 from sglang_dflash.adapter.compat import committed_len, create_flashinfer_kv_indices_triton, req_pool_idx
 
 
@@ -114,40 +115,70 @@ class DFlashBlockInput(SpecInput):
         self.num_tokens_per_req = int(self.draft_token_num)
         self.num_tokens_for_logprob_per_req = int(self.draft_token_num)
 
-    def generate_attn_arg_prefill(
-        self,
-        req_pool_indices: torch.Tensor,
-        paged_kernel_lens: torch.Tensor,
-        paged_kernel_lens_sum: int,
-        req_to_token: torch.Tensor,
-        kv_start_idx: Optional[torch.Tensor] = None,
-    ):
-        """Paged-KV layout for FlashInfer: each request's KV = its prefix + the block."""
-        bs = len(req_pool_indices)
-        device = req_pool_indices.device
-        qo_indptr = torch.arange(
-            0, (bs + 1) * self.draft_token_num, step=self.draft_token_num, dtype=torch.int32, device=device
-        )
-        kv_indptr = torch.empty((bs + 1,), dtype=torch.int32, device=device)
-        kv_indices = torch.empty(
-            paged_kernel_lens_sum + self.draft_token_num * bs, dtype=torch.int32, device=device
-        )
-        write_block_kv_layout(req_to_token, req_pool_indices, paged_kernel_lens, self.draft_token_num,
-                              kv_indptr, kv_indices)
-        return kv_indices, kv_indptr, qo_indptr, None
+    # FlashInfer's paged layout of the blocks: what its verify attention reads (request i: its committed prefix,
+    # then the block). One form per SGLang release (`compat.VERIFY_ARGS_KEYWORD_PLAN`), chosen here once.
+    if compat.VERIFY_ARGS_KEYWORD_PLAN:
+        def generate_attn_arg_prefill(self, *, req_pool_indices: torch.Tensor, paged_kernel_lens: torch.Tensor,
+                                      paged_kernel_lens_sum: int, translator, plan,
+                                      kv_start_idx: Optional[torch.Tensor] = None,
+                                      kv_indices_buf: Optional[torch.Tensor] = None,
+                                      kind=compat.IdSpaceKind.FULL):
+            """-> (kv_indices, kv_indptr ``[bs + 1]``, qo_indptr ``[bs + 1]``, None), int32. Request i reads its
+            ``paged_kernel_lens[i]`` committed tokens from ``kv_start_idx[i]`` (0: None), then the block, as
+            ``translator`` reads the ``kind`` sub-pool under ``plan``; kv_indices: ``kv_indices_buf`` when given,
+            else ``paged_kernel_lens_sum + bs * block`` long."""
+            B = self.draft_token_num
+            bs = req_pool_indices.shape[0]
+            kv_indptr = torch.empty((bs + 1,), dtype=torch.int32, device=req_pool_indices.device)
+            kv_lens = block_kv_indptr(paged_kernel_lens, B, kv_indptr)
+            kv_indices = kv_indices_buf if kv_indices_buf is not None else torch.empty(
+                paged_kernel_lens_sum + B * bs, dtype=torch.int32, device=req_pool_indices.device)
+            translator.pack_read_stream(plan, req_pool_indices=req_pool_indices, seq_lens=kv_lens, indptr=kv_indptr,
+                                        out=kv_indices, kv_start_idx=kv_start_idx, kind=kind)
+            return kv_indices, kv_indptr, block_qo_indptr(bs, B, req_pool_indices.device), None
+    else:
+        def generate_attn_arg_prefill(self, req_pool_indices: torch.Tensor, paged_kernel_lens: torch.Tensor,
+                                      paged_kernel_lens_sum: int, req_to_token: torch.Tensor,
+                                      kv_start_idx: Optional[torch.Tensor] = None):
+            """-> (kv_indices, kv_indptr ``[bs + 1]``, qo_indptr ``[bs + 1]``, None), int32: `write_block_kv_layout`
+            of the rows ``req_pool_indices`` of ``req_to_token``; kv_indices ``paged_kernel_lens_sum + bs * block``
+            long."""
+            B = self.draft_token_num
+            bs = req_pool_indices.shape[0]
+            device = req_pool_indices.device
+            kv_indptr = torch.empty((bs + 1,), dtype=torch.int32, device=device)
+            kv_indices = torch.empty(paged_kernel_lens_sum + B * bs, dtype=torch.int32, device=device)
+            write_block_kv_layout(req_to_token, req_pool_indices, paged_kernel_lens, B, kv_indptr, kv_indices,
+                                  kv_start_idx)
+            return kv_indices, kv_indptr, block_qo_indptr(bs, B, device), None
 
 
-def write_block_kv_layout(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
-                          block_size: int, kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> None:
-    """FlashInfer's paged layout of one linear block per request, in place and without a host sync: request i
-    reads ``req_to_token[req_pool_indices[i], : prefix_lens[i] + block_size]`` (its committed prefix, then the
-    block). kv_indptr ``[bs + 1]`` int32; kv_indices int32, at least ``sum(prefix_lens) + bs * block_size`` long."""
-    bs = req_pool_indices.shape[0]
+def block_qo_indptr(bs: int, block_size: int, device) -> torch.Tensor:
+    """qo_indptr ``[bs + 1]`` int32 of ``block_size`` queries per request."""
+    return torch.arange(0, (bs + 1) * block_size, block_size, dtype=torch.int32, device=device)
+
+
+def block_kv_indptr(prefix_lens: torch.Tensor, block_size: int, kv_indptr: torch.Tensor) -> torch.Tensor:
+    """Write kv_indptr ``[bs + 1]`` int32 of request i reading ``prefix_lens[i] + block_size`` keys (in place, no host
+    sync); return those lengths ``[bs]``."""
+    bs = prefix_lens.shape[0]
     kv_lens = prefix_lens + block_size
     kv_indptr[:1].zero_()
     torch.cumsum(kv_lens, dim=0, dtype=torch.int32, out=kv_indptr[1 : bs + 1])
+    return kv_lens
+
+
+def write_block_kv_layout(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
+                          block_size: int, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                          kv_start_idx: Optional[torch.Tensor] = None) -> None:
+    """FlashInfer's paged layout of one linear block per request, in place and without a host sync, read straight
+    from ``req_to_token`` (SGLang before `compat.VERIFY_ARGS_KEYWORD_PLAN`, and the step graphs): request i reads
+    ``req_to_token[req_pool_indices[i], s : s + prefix_lens[i] + block_size]``, s = ``kv_start_idx[i]`` (0: None).
+    kv_indptr ``[bs + 1]`` int32; kv_indices int32, at least ``sum(prefix_lens) + bs * block_size`` long."""
+    bs = req_pool_indices.shape[0]
+    kv_lens = block_kv_indptr(prefix_lens, block_size, kv_indptr)
     create_flashinfer_kv_indices_triton[(bs,)](
-        req_to_token, req_pool_indices, kv_lens, kv_indptr, None, kv_indices, req_to_token.size(1)
+        req_to_token, req_pool_indices, kv_lens, kv_indptr, kv_start_idx, kv_indices, req_to_token.size(1)
     )
 
 

@@ -7,7 +7,8 @@ function runs eagerly (`DFlashWorker`: CPU, Triton, batches larger than every ca
 `step_graphs.StepGraphs` captures, once per batch size, over static `StepBatch` tensors. What differs is who
 plans the attention, a strategy chosen once per call site:
 
-* `HostPlan`: each backend's ``init_forward_metadata`` from the committed lengths on the host (any backend);
+* `HostPlan`: each backend's ``init_forward_metadata`` from the committed lengths on the host (any backend; on
+  SGLang 0.5.23 each batch is first bound to its KV-location plan, `compat.bind_kv_plan`);
 * `step_graphs.DevicePlan`: FlashInfer's paged layout and split-kv plan written on the device inside the graph.
 
 Both forwards are TARGET_VERIFY-shaped batches at the request's reserved KV slots, so both models' K/V land at the
@@ -32,6 +33,7 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, Forw
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
+from sglang_dflash.adapter import compat
 from sglang_dflash.adapter.sampling import greedy_accept
 from sglang_dflash.adapter.spec_inputs import DFlashBlockInput
 from sglang_dflash.adapter.tp import vocab_argmax
@@ -53,7 +55,9 @@ class StepModels:
     draft's logit rule (`sglang_dflash.model.draft_logits`), the shared ``req_to_token`` and the draft-KV writer
     ``commit_kv(aux_hidden [N, n_ids*H], positions [N], cache_loc [N])``. Under tensor parallelism
     ``lm_head_weight`` ``[V_local, H]`` scores ids ``vocab_start ..`` and ``vocab_group`` is the TP group the
-    vocabulary is split over (None: one rank holds it all)."""
+    vocabulary is split over (None: one rank holds it all). ``draft_kv_translator`` / ``target_kv_translator``: the
+    runners' KVIndexTranslator, through which a hand-built batch gets its KV-location plan (`compat.kv_translator`;
+    None on SGLang without one)."""
 
     draft_model: torch.nn.Module
     target_model: torch.nn.Module
@@ -69,6 +73,8 @@ class StepModels:
     paged_verify: bool  # FlashInfer / Triton read seq_lens as the committed prefix; torch_native needs extend lens
     vocab_start: int = 0
     vocab_group: Optional[object] = None
+    draft_kv_translator: Optional[object] = None
+    target_kv_translator: Optional[object] = None
 
 
 @dataclass
@@ -144,11 +150,14 @@ def block_forward_batch(m: StepModels, b: StepBatch, input_ids: torch.Tensor, po
 
 
 class HostPlan:
-    """Plans both forwards' attention on the host with each backend's ``init_forward_metadata``."""
+    """Plans both forwards' attention on the host with each backend's ``init_forward_metadata``, each batch first
+    bound to its KV-location plan (`compat.bind_kv_plan`: its block slots are written by then)."""
 
     def __call__(self, m: StepModels, b: StepBatch) -> None:
         if b.draft_fb is not None:
+            compat.bind_kv_plan(m.draft_kv_translator, b.draft_fb)
             m.draft_backend.init_forward_metadata(b.draft_fb)
+        compat.bind_kv_plan(m.target_kv_translator, b.target_fb)
         m.target_backend.init_forward_metadata(b.target_fb)
 
 

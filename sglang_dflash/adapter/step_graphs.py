@@ -50,7 +50,9 @@ def capture(m: StepModels, runners: Sequence, backend: str, hybrid: bool, widths
             ) -> StepGraphs | None:
     """`decode_step` captured for the batch sizes both ``runners`` (target, draft) captured x ``widths``, where it
     can be: CUDA graphs on, a pure-attention target (not ``hybrid``), FlashInfer's fa2 prefill with one wrapper per
-    model, a FlashInfer its device plan was checked against. None (the step runs eagerly, logged) otherwise."""
+    model, an SGLang without the KV-location plan (`compat.VERIFY_ARGS_KEYWORD_PLAN`; 0.5.23 pins a FlashInfer the
+    device plan was not checked against anyway), a FlashInfer its device plan was checked against. None (the step
+    runs eagerly, logged) otherwise."""
     if not str(device).startswith("cuda") or any(r.decode_cuda_graph_runner is None for r in runners):
         return None
     if hybrid:
@@ -58,6 +60,8 @@ def capture(m: StepModels, runners: Sequence, backend: str, hybrid: bool, widths
     elif backend != "flashinfer" or not all(r.attn_backend.num_wrappers == 1
                                             and r.attn_backend.prefill_backend == "fa2" for r in runners):
         reason = "its CUDA graph needs FlashInfer's fa2 prefill with one wrapper per model"
+    elif compat.VERIFY_ARGS_KEYWORD_PLAN:
+        reason = "host attention plan: the graph's device-side layout reads req_to_token, not SGLang's KV-location plan"
     else:
         unchecked = compat.unchecked_flashinfer()
         reason = unchecked and f"host attention plan: {unchecked}"

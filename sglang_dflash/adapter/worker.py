@@ -98,7 +98,8 @@ class DFlashWorker(BaseSpecWorker):
                 commit_kv=functools.partial(self.draft_model.write_context_kv, kv_pool=self.draft_runner.token_to_kv_pool),
                 req_to_token=self.target_runner.req_to_token_pool.req_to_token, mask_token_id=self.mask_token_id,
                 block_size=self.block_size, paged_verify=self.backend != "torch_native", vocab_start=self.vocab_start,
-                vocab_group=self.vocab_group)
+                vocab_group=self.vocab_group, draft_kv_translator=compat.kv_translator(self.draft_runner),
+                target_kv_translator=compat.kv_translator(self.target_runner))
         return self._models
 
     def _build_draft_worker(self, server_args, gpu_id, ps, nccl_port) -> TpModelWorker:
