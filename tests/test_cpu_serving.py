@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 README_PYTHON = ".venv/bin/python"
 README_PORT = "30000"  # SGLang's default, which the README's request addresses
+PEAK_GB = 7  # the README's server: its scheduler spawned, not forked (conftest's _server_budget)
 
 
 def _clean_env() -> dict[str, str]:

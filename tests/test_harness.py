@@ -42,6 +42,7 @@ from harness.server import (
 )
 
 pytestmark = pytest.mark.server
+PEAK_GB = 4  # one server, a failing one beside it (conftest's _server_budget)
 
 PROMPTS = [
     "Hello, my name is",

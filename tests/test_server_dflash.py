@@ -29,6 +29,7 @@ from server_fixtures import (COMMON_ARGS, HUB_REPO_ID, SERVER_ENV, broken_drafts
                              hub_cache, launch_servers, nccl_port_args)
 
 pytestmark = pytest.mark.server
+PEAK_GB = 14  # 5 SmolLM2 servers at once (conftest's _server_budget)
 
 # Extra flags of both servers: log every decode step, so tests can see batch sizes; allow streaming sessions.
 SERVER_ARGS = [*COMMON_ARGS, "--decode-log-interval", "1", "--enable-streaming-session"]
@@ -886,25 +887,20 @@ def test_retraction_and_chunked_prefill_keep_greedy_exact(servers, greedy_cases,
 
 
 def test_abort_mid_generation_then_serve_exactly(nospec, dflash, greedy_cases, greedy_results):
-    """Abort a long DFLASH generation by rid; it finishes with an abort reason and the server keeps serving
-    exact greedy output afterwards."""
-    import threading
-    import time
-
+    """Abort a long DFLASH generation by rid once its first tokens have streamed; it finishes with an abort reason
+    and the server keeps serving exact greedy output afterwards."""
     case = next(c for c in greedy_cases if c.kind == "plain")
-    long = {"input_ids": case.input_ids, "rid": "dflash-abort-me",
+    long = {"input_ids": case.input_ids, "rid": "dflash-abort-me", "stream": True,
             "sampling_params": {"temperature": 0.0, "max_new_tokens": 4000, "ignore_eos": True}}
-    result = {}
-    worker = threading.Thread(target=lambda: result.update(
-        r=requests.post(f"{dflash.base_url}/generate", json=long, timeout=600)))
-    worker.start()
-    time.sleep(3.0)
-    requests.post(f"{dflash.base_url}/abort_request", json={"rid": "dflash-abort-me"}, timeout=60)
-    worker.join(timeout=120)
-    assert not worker.is_alive(), "aborted request did not return"
-    finish = result["r"].json()["meta_info"]["finish_reason"]
+    with requests.post(f"{dflash.base_url}/generate", json=long, stream=True, timeout=600) as r:
+        events = (json.loads(line[5:]) for line in r.iter_lines()
+                  if line.startswith(b"data:") and line.strip() != b"data: [DONE]")
+        first = next(events)  # the request is being decoded
+        requests.post(f"{dflash.base_url}/abort_request", json={"rid": "dflash-abort-me"}, timeout=60)
+        last = [first, *events][-1]
+    finish = last["meta_info"]["finish_reason"]
     assert finish["type"] == "abort", finish
-    assert result["r"].json()["meta_info"]["completion_tokens"] < 4000
+    assert last["meta_info"]["completion_tokens"] < 4000
     want = greedy_results[0][greedy_cases.index(case)]
     got = generate_all(dflash, [case.payload()])[0]
     assert _mismatch(case, want, got) is None

@@ -21,6 +21,7 @@ import torch
 from server_fixtures import COMMON_ARGS, bundled_drafter, dflash_args, launch_servers
 
 pytestmark = pytest.mark.server
+PEAK_GB = 6  # a server, the reference engine in this process (conftest's _server_budget)
 
 WINDOW = 16
 MAX_NEW_TOKENS = 32

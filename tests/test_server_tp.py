@@ -21,6 +21,7 @@ from test_server_dflash import (EOS_QUESTIONS, MAX_NEW_TOKENS, P_VALUE_FLOOR, SA
 from tp_models import widen_heads
 
 pytestmark = pytest.mark.server
+PEAK_GB = 13  # no-spec + a DFLASH server of 2 ranks (conftest's _server_budget)
 
 PROMPTS_PER_SET = 4
 
