@@ -923,23 +923,40 @@ def test_hybrid_extra_buffer_asked_for_is_refused_with_the_fix(qwen3_next_target
         hybrid.resolve_server_args(_hybrid_args("extra_buffer", "extra_buffer"))
 
 
-def test_hybrid_target_on_cpu_only_on_a_checked_sglang(qwen3_next_target, monkeypatch):
-    """The launcher's CPU set-up (`cpu_platform.check_hybrid_target`) lets a hybrid target start only on an SGLang
-    release the plugin's CPU Gated DeltaNet ops were checked against, and refuses it elsewhere in one line naming the
-    fix; a pure-attention target is not asked."""
+def test_dflash_on_cpu_settles_the_synchronous_scheduler_before_sglangs_model_settings():
+    """`cpu_platform.dflash_synchronous_scheduler` runs in SGLang's CPU-backend pass, before its model-specific
+    settings (where SGLang 0.5.23 picks a hybrid target's radix-cache strategy from the overlap schedule): DFLASH
+    served by sglang-dflash on CPU gets the synchronous scheduler there; a server without speculative decoding keeps
+    SGLang's choice."""
+    from sglang.srt.arg_groups.overrides import resolved_view
+
+    from sglang_dflash.adapter import cpu_platform
+
+    for algorithm, synchronous in (("DFLASH", True), (None, False)):
+        args = SimpleNamespace(device="cpu", speculative_algorithm=algorithm, disable_overlap_schedule=False,
+                               _resolved_overrides=[])
+        cpu_platform.dflash_synchronous_scheduler(args)
+        assert resolved_view(args).disable_overlap_schedule is synchronous
+
+
+def test_hybrid_target_on_cpu_only_where_the_ops_call_form_is_known(qwen3_next_target, monkeypatch):
+    """The launcher's CPU set-up (`cpu_platform.check_hybrid_target`) lets a hybrid target start where the form of
+    the installed SGLang's CPU op calls is known (`compat.CPU_SIGMOID_MUL_CALL`: found for every supported release),
+    and refuses it elsewhere in one line naming the fix; a pure-attention target is not asked."""
     import re
 
     import sglang
 
-    from sglang_dflash.adapter import cpu_platform, hybrid
+    from sglang_dflash.adapter import compat, cpu_platform, hybrid
 
     args = SimpleNamespace()
-    if sglang.__version__ in cpu_platform.CPU_GDN_CHECKED_SGLANG:
-        cpu_platform.check_hybrid_target(args)
-    monkeypatch.setattr(cpu_platform, "CPU_GDN_CHECKED_SGLANG", ("0.0.1",))
+    assert compat.CPU_SIGMOID_MUL_CALL is not None
+    cpu_platform.check_hybrid_target(args)
+    monkeypatch.setattr(compat, "CPU_SIGMOID_MUL_CALL", None)
     with pytest.raises(ValueError, match=rf"^sglang-dflash: Qwen3NextForCausalLM \(a hybrid linear-attention target\) "
-                                         rf"on CPU is served with sglang==0.0.1 only; with sglang=="
-                                         rf"{re.escape(sglang.__version__)} .*Install sglang==0.0.1 to serve it on CPU"):
+                                         rf"on CPU: sglang=={re.escape(sglang.__version__)}'s CPU Qwen3.5 calls "
+                                         rf"sgl-kernel's fused_sigmoid_mul_cpu in a form .*Install an SGLang from "
+                                         rf"0.5.17 to 0.5.23 to serve it on CPU"):
         cpu_platform.check_hybrid_target(args)
     monkeypatch.setattr(hybrid, "target_state_config", lambda model_config: None)
     cpu_platform.check_hybrid_target(args)

@@ -102,8 +102,96 @@ def test_registered_ops_serve_sglangs_call_signatures():
     qkvz, ba = torch.randn(3, 2 * 2 * 4 + 2 * 2 * 4), torch.randn(3, 4)
     qkv, z, b, a = ops.fused_qkvzba_split_reshape_cat_contiguous_cpu(qkvz, ba, 2, 2, 4, 4)
     assert torch.equal(torch.cat([qkv, z.reshape(3, -1)], -1), qkvz) and torch.equal(torch.cat([b, a], -1), ba)
-    x = torch.randn(3, 8)
-    assert torch.equal(ops.fused_sigmoid_mul_cpu(x.clone(), x, True), x * torch.sigmoid(x))
+
+
+def test_attention_gate_serves_the_installed_qwen3_5_call():
+    """Qwen3.5's attention-output gate as the installed SGLang's CPU model calls it: ``attn_output =
+    fused_sigmoid_mul(attn_output, gate, inplace=True)`` through its CPU binding (0.5.17: the op itself; 0.5.23: a
+    wrapper calling ``op(x, gate)`` for its effect on x) gives x * sigmoid(gate) -- with the op registered in the
+    form `compat.CPU_SIGMOID_MUL_CALL` found in the model's source."""
+    import importlib.util
+
+    from sglang_dflash.adapter import compat, cpu_platform
+
+    cpu_platform.setup()
+    L.register_ops()
+    # a copy of the model module executed now, on the CPU path (the one SGLang holds may come from another test)
+    origin = importlib.util.find_spec("sglang.srt.models.qwen3_5").origin
+    spec = importlib.util.spec_from_file_location("qwen3_5_on_cpu", origin)
+    qwen3_5 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(qwen3_5)
+
+    assert compat.CPU_SIGMOID_MUL_CALL in L.SIGMOID_MUL_FORMS and qwen3_5._is_cpu
+    x, gate = torch.randn(3, 8), torch.randn(3, 8)
+    torch.testing.assert_close(qwen3_5.fused_sigmoid_mul(x.clone(), gate, inplace=True), x * torch.sigmoid(gate),
+                               rtol=0, atol=0)
+
+
+def test_each_gate_form_serves_its_own_call_only():
+    """The two forms of ``fused_sigmoid_mul_cpu`` called as the other release calls it: 0.5.23's statement
+    ``op(x, gate)`` leaves x ungated with 0.5.17's form (whose ``inplace`` defaults to False), and 0.5.17's
+    ``y = op(x, gate, inplace=True)`` gets no tensor from 0.5.23's."""
+    returning, in_place = L.SIGMOID_MUL_FORMS["returning"][1], L.SIGMOID_MUL_FORMS["in_place"][1]
+    x, gate = torch.randn(3, 8), torch.randn(3, 8)
+    gated = x * torch.sigmoid(gate)
+    y = x.clone()
+    in_place(y, gate)
+    assert torch.equal(y, gated)
+    assert torch.equal(returning(x.clone(), gate, inplace=True), gated)
+    y = x.clone()
+    returning(y, gate)
+    assert torch.equal(y, x)
+    with pytest.raises(TypeError):
+        in_place(x.clone(), gate, inplace=True)
+
+
+GATE_0_5_17 = """
+if _is_cpu:
+    fused_sigmoid_mul = torch.ops.sgl_kernel.fused_sigmoid_mul_cpu
+def self_attention(attn_output, gate):
+    attn_output = fused_sigmoid_mul(attn_output, gate, inplace=True)
+"""
+GATE_0_5_23 = """
+if _is_cpu:
+    _fused_sigmoid_mul_cpu = torch.ops.sgl_kernel.fused_sigmoid_mul_cpu
+
+    def fused_sigmoid_mul(x, gate, inplace=True):
+        if not inplace:
+            x = x.clone()
+        _fused_sigmoid_mul_cpu(x, gate)
+        return x
+def self_attention(attn_output, gate):
+    attn_output = fused_sigmoid_mul(attn_output, gate, inplace=True)
+"""
+
+
+@pytest.mark.parametrize("source, form", [
+    (GATE_0_5_17, "returning"), (GATE_0_5_23, "in_place"),
+    ("y = torch.ops.sgl_kernel.fused_sigmoid_mul_cpu(x, gate, inplace=False)", "returning"),
+    ("torch.ops.sgl_kernel.fused_sigmoid_mul_cpu(x, gate)", "in_place"),
+    ("y = torch.ops.sgl_kernel.fused_sigmoid_mul_cpu(x, gate)", None),  # a third form: neither
+    ("y = torch.sigmoid(gate) * x", None),  # no call
+    (GATE_0_5_17 + GATE_0_5_23, None),  # both
+])
+def test_gate_call_form_read_from_the_model_source(source, form):
+    from sglang_dflash.adapter import compat
+
+    assert compat.sigmoid_mul_cpu_call(source) == form
+
+
+def test_qwen3_next_gdn_is_built_on_the_cpu():
+    """Qwen3-Next's GDN layer builds its output norm on ``torch.get_device_module().current_device()``; during its
+    constructor (`qwen3_next_gdn_on_cpu`) that names the CPU, whatever accelerator torch was built for, and the
+    module's ``torch`` is torch again afterwards."""
+    from sglang_dflash.adapter import cpu_platform
+
+    cpu_platform.setup()
+    L.register_ops()
+    from sglang.srt.models import qwen3_next
+
+    seen = []
+    L.qwen3_next_gdn_on_cpu(lambda layer: seen.append(qwen3_next.torch.get_device_module().current_device()), None)
+    assert seen == ["cpu"] and qwen3_next.torch is torch
 
 
 def test_commit_takes_the_state_after_the_accepted_tokens():
@@ -221,7 +309,8 @@ def cpu_launcher_setup(dtype: str, monkeypatch) -> None:
 
     monkeypatch.setattr(cpu_platform, "check_hybrid_target", lambda server_args: None)
     cpu_platform._cpu_attention_backend(lambda args: None, SimpleNamespace(
-        device="cpu", dtype=dtype, tp_size=1, attention_backend="torch_native", enable_torch_compile=False))
+        device="cpu", dtype=dtype, tp_size=1, attention_backend="torch_native", enable_torch_compile=False,
+        speculative_algorithm=None, disable_overlap_schedule=False))
 
 
 @pytest.fixture

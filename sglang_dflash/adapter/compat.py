@@ -21,6 +21,12 @@ it, the capabilities below pick each path:
   ``req_to_token``, stay off (`step_graphs.capture`). Before, reads came from ``req_to_token`` alone.
 * `KV_INDICES_KERNEL_MOVED` (0.5.23): ``create_flashinfer_kv_indices_triton`` lives in
   ``sglang.kernels.ops.attention.kv_indices``; imported from here.
+* `CPU_SIGMOID_MUL_CALL`: how SGLang's CPU Qwen3.5 calls sgl-kernel's ``fused_sigmoid_mul_cpu`` (the gate of its
+  attention output), read from the model's source (importing the model needs the op): ``"in_place"`` (0.5.23: a
+  statement ``op(x, gate)``, x gated in place -- sgl-kernel's later ``(Tensor(a!) input, Tensor gate) -> ()``) or
+  ``"returning"`` (0.5.17: the op bound as the model's ``fused_sigmoid_mul``, called ``(x, gate, inplace=True)`` for
+  its result); None for neither. `cpu_linear_attn` registers its torch op in that form; with None a hybrid target
+  is refused on CPU (`cpu_platform.check_hybrid_target`).
 * `unchecked_flashinfer`: the step graphs' device-side FlashInfer plan (`kernels.attention_plan`) mirrors
   FlashInfer's private planning rule, checked on a GPU against `PLAN_CHECKED_FLASHINFER` only.
 * Hook targets that moved (`DEFAULT_ATTN_BACKEND`, `CPU_BACKENDS`, `FREE_KV_ALIGNED_PARAMS`, `GEMMA4_CHECK`).
@@ -28,9 +34,11 @@ it, the capabilities below pick each path:
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import importlib.util
 import inspect
+from pathlib import Path
 
 import sglang
 from sglang.srt import server_args as _server_args
@@ -56,6 +64,34 @@ if KV_INDICES_KERNEL_MOVED:
     from sglang.kernels.ops.attention.kv_indices import create_flashinfer_kv_indices_triton  # noqa: F401
 else:
     from sglang.kernels.ops.attention.utils import create_flashinfer_kv_indices_triton  # noqa: F401
+
+
+def sigmoid_mul_cpu_call(source: str) -> str | None:
+    """How the model module ``source`` calls ``torch.ops.sgl_kernel.fused_sigmoid_mul_cpu`` (directly or through a
+    name bound to it): "in_place" (a statement ``op(x, gate)``), "returning" (a call passing ``inplace=``), None
+    for neither or both."""
+    op = "fused_sigmoid_mul_cpu"
+    tree = ast.parse(source)
+    names = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Attribute)
+             and n.value.attr == op for t in n.targets if isinstance(t, ast.Name)}
+
+    def calls_op(node) -> bool:
+        f = getattr(node, "func", None)
+        return isinstance(node, ast.Call) and (isinstance(f, ast.Name) and f.id in names
+                                               or isinstance(f, ast.Attribute) and f.attr == op)
+
+    forms = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Expr) and calls_op(n.value) and len(n.value.args) == 2 and not n.value.keywords:
+            forms.add("in_place")
+        elif calls_op(n) and any(k.arg == "inplace" for k in n.keywords):
+            forms.add("returning")
+    return forms.pop() if len(forms) == 1 else None
+
+
+# how SGLang's CPU Qwen3.5 calls sgl-kernel's fused_sigmoid_mul_cpu (see the module docstring)
+_QWEN3_5 = importlib.util.find_spec("sglang.srt.models.qwen3_5")
+CPU_SIGMOID_MUL_CALL = sigmoid_mul_cpu_call(Path(_QWEN3_5.origin).read_text()) if _QWEN3_5 is not None else None
 
 # SGLang's KV-location plan (`VERIFY_ARGS_KEYWORD_PLAN`): the id-space enum and the translator methods the adapter
 # calls (dotted path -> parameter names; checked with the hooks)

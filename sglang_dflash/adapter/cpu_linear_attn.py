@@ -1,14 +1,19 @@
-"""Plain-torch versions of the sgl-kernel CPU ops that SGLang 0.5.17's hybrid linear-attention models call on CPU.
+"""Plain-torch versions of the sgl-kernel CPU ops that SGLang's hybrid linear-attention models call on CPU.
 
 On a CPU SGLang's Qwen3.5 / Qwen3-Next models and its Gated DeltaNet backend (``GDNAttnBackend``) call
 ``torch.ops.sgl_kernel.*_cpu`` ops that only sgl-kernel's separate CPU build provides (several are looked up when
 the model module is imported, so without them the model class is missing altogether). `register_ops` defines the
 missing ones here, in float32 torch with the semantics of SGLang's Triton kernels for the same call sites; a native
-CPU build, when installed, keeps its own. `causal_conv1d_update_with_windows` additionally serves the verify forward
+CPU build, when installed, keeps its own. Where releases call an op differently, it is registered in the installed
+release's form (`compat` detects it): ``fused_sigmoid_mul_cpu`` (Qwen3.5's attention-output gate) gates in place
+as a statement ``op(x, gate)`` from 0.5.23 on (`compat.CPU_SIGMOID_MUL_CALL`), and returns the gated tensor
+(``inplace=`` chooses) in 0.5.17. `causal_conv1d_update_with_windows` additionally serves the verify forward
 of speculative decoding (SGLang's CPU wrapper takes no per-step window buffer), `rms_norm_gated` and
 `fused_rms_norm_gated` the gated RMSNorms and `gate_sigmoid_mul_add` Qwen3-Next's shared-expert gate (Triton
-kernels without sgl-kernel's CPU build), and `mamba_pool_on_cpu` the state pool's verify scratch (allocated on
-"cuda" by SGLang); `plugin.register` installs them on a CPU host (`register_hooks`).
+kernels without sgl-kernel's CPU build), `mamba_pool_on_cpu` the state pool's verify scratch (allocated on
+"cuda" by SGLang 0.5.17) and `qwen3_next_gdn_on_cpu` the device of Qwen3-Next's GDN output norm (from
+``torch.get_device_module()``, which names CUDA on a host without a GPU with torch 2.14, SGLang 0.5.23's);
+`plugin.register` installs them on a CPU host (`register_hooks`).
 
 Layouts (SGLang's): the recurrent state pool is ``[slots, HV, V, K]`` (one ``V x K`` matrix per value head; the
 recurrence below runs on its transpose ``h [K, V]``), the conv state pool ``[slots, dim, W - 1]``, the verify
@@ -247,9 +252,27 @@ def _fused_qk_gemma_rmsnorm_with_gate(q_gate, k, q_weight, k_weight, eps, head_d
             gemma_rmsnorm(k.reshape(-1, head_dim), k_weight, eps), gate.reshape(-1, head_dim).contiguous())
 
 
+def _sigmoid_gate(x, gate):
+    """sigmoid(gate) in x's dtype; gate ``[T, D]`` or ``[T, heads, D / heads]`` (a strided view) for x ``[T, D]``."""
+    return torch.sigmoid(gate.reshape(x.shape).float()).to(x.dtype)
+
+
 def _fused_sigmoid_mul(x, gate, inplace=False):
-    g = torch.sigmoid(gate.reshape(x.shape).float()).to(x.dtype)
+    """0.5.17's form: x * sigmoid(gate), into x where ``inplace``."""
+    g = _sigmoid_gate(x, gate)
     return x.mul_(g) if inplace else x * g
+
+
+def _fused_sigmoid_mul_in_place(x, gate) -> None:
+    """0.5.23's form: x *= sigmoid(gate)."""
+    x.mul_(_sigmoid_gate(x, gate))
+
+
+# `compat.CPU_SIGMOID_MUL_CALL` -> (schema, implementation) of fused_sigmoid_mul_cpu
+SIGMOID_MUL_FORMS = {
+    "returning": ("(Tensor(a!) x, Tensor gate, bool inplace=False) -> Tensor", _fused_sigmoid_mul),
+    "in_place": ("(Tensor(a!) x, Tensor gate) -> ()", _fused_sigmoid_mul_in_place),
+}
 
 
 # op name -> (schema, implementation)
@@ -286,8 +309,7 @@ OPS = {
     "fused_qk_gemma_rmsnorm_with_gate_cpu": (
         "(Tensor q_gate, Tensor k, Tensor q_weight, Tensor k_weight, float eps, int head_dim, int num_heads) "
         "-> (Tensor, Tensor, Tensor)", _fused_qk_gemma_rmsnorm_with_gate),
-    "fused_sigmoid_mul_cpu": ("(Tensor(a!) x, Tensor gate, bool inplace=False) -> Tensor", _fused_sigmoid_mul),
-}
+}  # + fused_sigmoid_mul_cpu in the installed release's form (`SIGMOID_MUL_FORMS`, `ops`)
 
 
 def causal_conv1d_update_with_windows(original, mixed_qkv, conv_states, conv_weights, bias, activation,
@@ -349,19 +371,27 @@ def gate_sigmoid_mul_add(original, hidden_states, gate_weight, shared_output, fi
 
 # ------------------------------------------------------------------------------------------------ registration
 
+def ops(call: str | None) -> dict:
+    """:data:`OPS` and ``fused_sigmoid_mul_cpu`` in the form ``call`` (`SIGMOID_MUL_FORMS`; None: left out -- a
+    hybrid target is then refused on CPU, `cpu_platform.check_hybrid_target`)."""
+    return {**OPS, **({"fused_sigmoid_mul_cpu": SIGMOID_MUL_FORMS[call]} if call is not None else {})}
+
+
 def register_ops() -> None:
-    """Define the :data:`OPS` that ``torch.ops.sgl_kernel`` lacks (`cpu_platform.register_sgl_kernel_cpu_ops`: a
-    native CPU build registers its own, which win)."""
+    """Define the `ops` of the installed SGLang (`compat.CPU_SIGMOID_MUL_CALL`) that ``torch.ops.sgl_kernel`` lacks
+    (`cpu_platform.register_sgl_kernel_cpu_ops`: a native CPU build registers its own, which win)."""
+    from sglang_dflash.adapter import compat
     from sglang_dflash.adapter.cpu_platform import register_sgl_kernel_cpu_ops
 
-    register_sgl_kernel_cpu_ops(OPS)
+    register_sgl_kernel_cpu_ops(ops(compat.CPU_SIGMOID_MUL_CALL))
 
 
 class _TorchOn:
-    """``torch`` with every ``zeros`` allocated on ``device``."""
+    """``torch`` for a constructor building on ``device``: every ``zeros`` allocated there, and
+    ``get_device_module()`` (no argument) naming that device's module."""
 
     def __init__(self, device):
-        self._device = device
+        self._device = torch.device(device)
 
     def __getattr__(self, name):
         return getattr(torch, name)
@@ -369,20 +399,37 @@ class _TorchOn:
     def zeros(self, *args, **kwargs):
         return torch.zeros(*args, **{**kwargs, "device": self._device})
 
+    def get_device_module(self, device=None):
+        return torch.get_device_module(self._device if device is None else device)
+
+
+def _constructed_on(module, device, original, obj, /, *args, **kwargs):
+    """``original(obj, *args, **kwargs)`` (a constructor) with ``module``'s ``torch`` building on ``device``."""
+    module.torch = _TorchOn(device)
+    try:
+        return original(obj, *args, **kwargs)
+    finally:
+        module.torch = torch
+
 
 def mamba_pool_on_cpu(original, pool, *args, device, **kwargs):
     """Around ``MambaPool.__init__``: SGLang 0.5.17 allocates the verify scratch of speculative decoding
     (``intermediate_ssm``, ``intermediate_conv_window``) with ``device="cuda"`` written out; for a CPU pool every
-    allocation of the constructor goes to the CPU."""
+    allocation of the constructor goes to the CPU (later releases allocate on the pool's device already)."""
     from sglang.srt.mem_cache import memory_pool
 
     if str(device) != "cpu":
         return original(pool, *args, device=device, **kwargs)
-    memory_pool.torch = _TorchOn(device)
-    try:
-        return original(pool, *args, device=device, **kwargs)
-    finally:
-        memory_pool.torch = torch
+    return _constructed_on(memory_pool, device, original, pool, *args, device=device, **kwargs)
+
+
+def qwen3_next_gdn_on_cpu(original, layer, *args, **kwargs):
+    """Around Qwen3-Next's ``Qwen3GatedDeltaNet.__init__`` (hooked on a CPU server only): its output norm is built
+    on ``torch.get_device_module().current_device()``, i.e. on CUDA where torch (2.14, SGLang 0.5.23's) names its
+    compiled-in accelerator on a host without a GPU; here it names the CPU."""
+    from sglang.srt.models import qwen3_next
+
+    return _constructed_on(qwen3_next, "cpu", original, layer, *args, **kwargs)
 
 
 # dotted path -> (hook, parameter names of the hooked function; checked by `register_hooks`: these live in
@@ -397,6 +444,7 @@ HOOKS = {
     "sglang.srt.models.qwen2_moe.fused_gate_sigmoid_mul_add": (
         gate_sigmoid_mul_add, ["hidden_states", "gate_weight", "shared_output", "final_hidden_states"]),
     "sglang.srt.mem_cache.memory_pool.MambaPool.__init__": (mamba_pool_on_cpu, ["self"]),
+    "sglang.srt.models.qwen3_next.Qwen3GatedDeltaNet.__init__": (qwen3_next_gdn_on_cpu, ["self", "config"]),
 }
 
 
@@ -412,5 +460,5 @@ def register_hooks() -> None:
         found = list(inspect.signature(pkgutil.resolve_name(target)).parameters)
         if found[: len(params)] != params:
             raise RuntimeError(f"sglang-dflash: {target} takes {found}, not {params}: this SGLang / sgl-kernel is not "
-                               "the one sglang-dflash supports. Install sglang==0.5.17.")
+                               "one sglang-dflash supports (compat.SUPPORTED_RANGE).")
         HookRegistry.register(target, hook, HookType.AROUND)

@@ -50,10 +50,20 @@ on a CPU-only host (no CUDA / ROCm / XPU / MPS device, no NPU / HPU / MUSA runti
 10. **Unset intermediate sizes.** SGLang 0.5.17's CPU model loading pads every ``*intermediate_size`` field of the
    config to the tensor-parallel size and fails on one that is present but None (``None % int``; Gemma 4's
    ``moe_intermediate_size`` without MoE blocks); such a field is left alone, as later releases do.
-11. **Hybrid targets outside the checked SGLang releases.** The Gated DeltaNet ops of `cpu_linear_attn` follow the
-   call sites of the releases in `CPU_GDN_CHECKED_SGLANG`; on SGLang 0.5.23 a hybrid target served with them gives
-   other tokens than the model's (no-spec and DFLASH alike: a tiny Qwen3.5, transformers' greedy output differs
-   from the first token on). On any other release a hybrid target on CPU is refused at start-up, naming the fix.
+11. **Hybrid targets where the ops' call form is unknown.** The CPU ops of `cpu_linear_attn` follow the installed
+   release's call sites: 0.5.17 and 0.5.23 call them alike except Qwen3.5's attention-output gate
+   (``fused_sigmoid_mul_cpu``: returning the gated tensor in 0.5.17, gating in place from 0.5.23 on; served in the
+   found form, `compat.CPU_SIGMOID_MUL_CALL`). Served in the other form, a Qwen3.5 leaves its attention output
+   ungated and gives other tokens than the model's from the first one on. (Qwen3-Next's GDN output norm, built on
+   ``torch.get_device_module()``'s device -- CUDA with 0.5.23's torch on a host without a GPU --, is built on the
+   CPU: `cpu_linear_attn.qwen3_next_gdn_on_cpu`.) Where SGLang's CPU Qwen3.5 calls the gate in neither form, a
+   hybrid target on CPU is refused at start-up, naming the fix.
+12. **DFLASH's synchronous scheduler, settled early.** DFLASH served by sglang-dflash runs the synchronous scheduler
+   on CPU (`server_args.overlap_supported`); that is settled here, before SGLang's model-specific settings read it.
+   There SGLang 0.5.23 resolves a hybrid target's radix-cache state strategy: under the overlap schedule it picks
+   ``extra_buffer`` for Qwen3.5 (0.5.17: for Qwen3-Next), which it then refuses on CPU ("extra_buffer requires
+   platform support for Mamba cache state snapshots"); under the synchronous one it picks ``no_buffer``. (A server
+   without speculative decoding meets the same refusal unless given ``--disable-overlap-schedule``.)
 """
 
 from __future__ import annotations
@@ -73,8 +83,6 @@ SHIM_DIR = Path(__file__).resolve().parent / "cpu_shim"
 KV_RAM_SHARE = 8
 # Attention backends that run on CPU (intel_amx only with sgl-kernel's CPU build).
 CPU_BACKENDS = ("torch_native", "intel_amx")
-# SGLang releases whose hybrid models' CPU call sites `cpu_linear_attn` was checked against (item 11)
-CPU_GDN_CHECKED_SGLANG = ("0.5.17",)
 CONV_DTYPE_ENV = "SGLANG_MAMBA_CONV_DTYPE"  # SGLang's dtype of the linear-attention conv state (default bfloat16)
 # Runtimes of accelerators SGLang serves through their own platform code; their presence leaves the host alone.
 _ACCELERATOR_RUNTIMES = ("torch_npu", "habana_frameworks", "torchada")
@@ -219,6 +227,7 @@ def _cpu_attention_backend(original, server_args) -> None:
     _cpu_tensor_parallel(view)
     check_hybrid_target(view)
     conv_state_dtype(view)
+    dflash_synchronous_scheduler(server_args)
     if chosen is not None:
         check_cpu_attention_backend(chosen)
         return
@@ -259,21 +268,37 @@ def _cpu_tensor_parallel(server_args) -> None:
 
 
 def check_hybrid_target(server_args) -> None:
-    """11 of the module docstring, in the launcher: a hybrid target on CPU only on `CPU_GDN_CHECKED_SGLANG`."""
+    """11 of the module docstring, in the launcher: a hybrid target on CPU only where `compat.CPU_SIGMOID_MUL_CALL`
+    found the form of the installed release's call sites."""
     import sglang
 
     from sglang_dflash.adapter import compat, hybrid
 
-    if sglang.__version__ in CPU_GDN_CHECKED_SGLANG:
+    if compat.CPU_SIGMOID_MUL_CALL is not None:
         return
     model_config = compat.model_config(server_args)
     if hybrid.target_state_config(model_config) is None:
         return
     arch = model_config.hf_config.architectures[0]
-    checked = ", ".join(f"sglang=={v}" for v in CPU_GDN_CHECKED_SGLANG)
-    raise ValueError(f"sglang-dflash: {arch} (a hybrid linear-attention target) on CPU is served with {checked} "
-                     f"only; with sglang=={sglang.__version__} the plugin's CPU Gated DeltaNet ops give other tokens "
-                     f"than the model's. Install {checked} to serve it on CPU, or serve it on a GPU.")
+    lo, hi = compat.SUPPORTED_RANGE
+    raise ValueError(f"sglang-dflash: {arch} (a hybrid linear-attention target) on CPU: sglang=={sglang.__version__}'s "
+                     "CPU Qwen3.5 calls sgl-kernel's fused_sigmoid_mul_cpu in a form the plugin's CPU ops do not "
+                     f"serve. Install an SGLang from {lo} to {hi} to serve it on CPU, or serve it on a GPU.")
+
+
+def dflash_synchronous_scheduler(raw_args) -> None:
+    """12 of the module docstring, in the launcher (``raw_args``: the ServerArgs being resolved)."""
+    from sglang_dflash.adapter import compat
+    from sglang_dflash.adapter.hooks import _ours_by_args
+    from sglang_dflash.adapter.server_args import overlap_supported
+
+    view = compat.resolving(raw_args)
+    if not _ours_by_args(view) or view.disable_overlap_schedule or overlap_supported(view):
+        return
+    compat.resolve(raw_args, disable_overlap_schedule=True)
+    logger.info("sglang-dflash: DFLASH on CPU runs the synchronous scheduler (SGLang's overlap schedule needs CUDA "
+                "streams), settled before SGLang's model-specific settings (a hybrid target's radix-cache state "
+                "strategy follows it)")
 
 
 def conv_state_dtype(server_args) -> None:
