@@ -22,9 +22,9 @@ the first turns allocate (``--swa-full-tokens-ratio``), so its slots part from t
 at the full pool's slots then fails. The control: a Qwen3.5 server with the state committed after the whole verify
 block (``SGLANG_DFLASH_TEST_BROKEN_STATE_COMMIT``) must fail the same comparison.
 
-The servers that the selected tests read (`reads`) start at once in one fixture (server start-ups dominate the
-suite's time on 2 cores): on SGLang 0.5.23 the test command selects the hybrid tests (Gemma 4 meets SGLang's own
-refusal of torch_native there).
+The servers that the selected tests read (their ``reads`` marker) start at once in one fixture (server start-ups
+dominate the suite's time on 2 cores): on SGLang 0.5.23 the test command selects the hybrid tests (Gemma 4 meets
+SGLang's own refusal of torch_native there).
 """
 
 from __future__ import annotations
@@ -101,15 +101,6 @@ SERVERS = {
     "gemma4": ("gemma4", {}),
     "deepseek_v2": ("deepseek_v2", {}),
 }
-READS: dict[str, tuple[str, ...]] = {}  # test name -> the servers of SERVERS it reads (`reads`)
-
-
-def reads(*servers: str):
-    """Record that the decorated test reads ``served[name]`` for each of ``servers``."""
-    def record(test):
-        READS[test.__name__] = servers
-        return test
-    return record
 
 
 def transformers_greedy(model_dir, prompts, max_new_tokens: int) -> list[list[int]]:
@@ -143,13 +134,14 @@ def conversations(server, family: Family):
 
 @pytest.fixture(scope="module")
 def served(request, tmp_path_factory):
-    """The servers of `SERVERS` that this module's selected tests read (`READS`), started at once, each after serving
-    :func:`conversations`; for each of their families first a tiny random target, a random draft, the reference
-    (both turns, transformers) and the oracle draft's file of it: name -> (reference [(prompt, output_ids)], outputs,
-    meta_infos, log text)."""
+    """The servers of `SERVERS` that this module's selected tests read (their ``reads`` marker), started at once,
+    each after serving :func:`conversations`; for each of their families first a tiny random target, a random draft,
+    the reference (both turns, transformers) and the oracle draft's file of it: name -> (reference [(prompt,
+    output_ids)], outputs, meta_infos, log text)."""
     from sglang_dflash.assets import smollm2_path
 
-    wanted = {s for item in request.session.items if item.module is request.module for s in READS[item.originalname]}
+    wanted = {s for item in request.session.items if item.module is request.module
+              for s in item.get_closest_marker("reads").args}
     built = {}
     for name in sorted({SERVERS[s][0] for s in wanted}):
         fam = FAMILIES[name]
@@ -200,7 +192,7 @@ def assert_identical_with_every_accept_length(run):
     assert set(range(BLOCK_SIZE)) <= set(counts), f"accept lengths seen {dict(counts)}; want each of 0..{BLOCK_SIZE - 1}"
 
 
-@reads("qwen3_5")
+@pytest.mark.reads("qwen3_5")
 def test_hybrid_dflash_greedy_identical_with_every_accept_length_under_retraction(served):
     """Qwen3.5 (Gated DeltaNet + full attention), chunked prefill, SGLang retracting running requests every few
     forwards (``SGLANG_TEST_RETRACT``): a retracted request is prefilled again later, its linear-attention state
@@ -211,7 +203,7 @@ def test_hybrid_dflash_greedy_identical_with_every_accept_length_under_retractio
     assert_identical_with_every_accept_length(run)
 
 
-@reads("qwen3_next")
+@pytest.mark.reads("qwen3_next")
 def test_qwen3_next_moe_hybrid_dflash_greedy_identical_with_every_accept_length(served):
     """The same on Qwen3-Next's layout: MoE blocks (top-2 of 4 experts and a gated shared expert, SGLang's native
     CPU MoE) between the Gated DeltaNet and full-attention layers."""
@@ -219,7 +211,7 @@ def test_qwen3_next_moe_hybrid_dflash_greedy_identical_with_every_accept_length(
     assert_identical_with_every_accept_length(served["qwen3_next"])
 
 
-@reads("qwen3_5_broken")
+@pytest.mark.reads("qwen3_5_broken")
 def test_broken_state_commit_fails_identity(served):
     """The control: committing each request's state after the whole block (not after its accepted tokens) must
     change the output."""
@@ -227,7 +219,7 @@ def test_broken_state_commit_fails_identity(served):
     assert differences(served["qwen3_5_broken"]), "a state committed after the whole block went unnoticed"
 
 
-@reads("gemma4")
+@pytest.mark.reads("gemma4")
 def test_gemma4_sliding_window_dflash_greedy_identical_with_every_accept_length(served):
     run = served["gemma4"]
     log = run[3]
@@ -240,6 +232,6 @@ def test_gemma4_sliding_window_dflash_greedy_identical_with_every_accept_length(
     assert_identical_with_every_accept_length(run)
 
 
-@reads("deepseek_v2")
+@pytest.mark.reads("deepseek_v2")
 def test_deepseek_v2_mla_dflash_greedy_identical_with_every_accept_length(served):
     assert_identical_with_every_accept_length(served["deepseek_v2"])

@@ -290,15 +290,10 @@ def dflash_synchronous_scheduler(raw_args) -> None:
     """12 of the module docstring, in the launcher (``raw_args``: the ServerArgs being resolved)."""
     from sglang_dflash.adapter import compat
     from sglang_dflash.adapter.hooks import _ours_by_args
-    from sglang_dflash.adapter.server_args import overlap_supported
+    from sglang_dflash.adapter.server_args import synchronous_where_overlap_cannot_run
 
-    view = compat.resolving(raw_args)
-    if not _ours_by_args(view) or view.disable_overlap_schedule or overlap_supported(view):
-        return
-    compat.resolve(raw_args, disable_overlap_schedule=True)
-    logger.info("sglang-dflash: DFLASH on CPU runs the synchronous scheduler (SGLang's overlap schedule needs CUDA "
-                "streams), settled before SGLang's model-specific settings (a hybrid target's radix-cache state "
-                "strategy follows it)")
+    if _ours_by_args(compat.resolving(raw_args)):
+        synchronous_where_overlap_cannot_run(raw_args)
 
 
 def conv_state_dtype(server_args) -> None:

@@ -111,10 +111,18 @@ def resolve_server_args(raw_args) -> None:
 
     compat.resolve(raw_args, speculative_num_steps=1, speculative_eagle_topk=1, speculative_num_draft_tokens=block,
                    speculative_dflash_block_size=block)
-    if not server_args.disable_overlap_schedule and not overlap_supported(server_args):
-        logger.info("sglang-dflash: SGLang's overlap schedule needs CUDA streams; DFLASH on %s runs the synchronous "
-                    "scheduler.", server_args.device)
-        compat.resolve(raw_args, disable_overlap_schedule=True)
+    synchronous_where_overlap_cannot_run(raw_args)
+
+
+def synchronous_where_overlap_cannot_run(raw_args) -> None:
+    """DFLASH where SGLang's overlap schedule cannot run (`overlap_supported`) gets the synchronous scheduler, logged:
+    here, and on a CPU host earlier (`cpu_platform.dflash_synchronous_scheduler`)."""
+    server_args = compat.resolving(raw_args)
+    if server_args.disable_overlap_schedule or overlap_supported(server_args):
+        return
+    logger.info("sglang-dflash: SGLang's overlap schedule needs CUDA streams; DFLASH on %s runs the synchronous "
+                "scheduler.", server_args.device)
+    compat.resolve(raw_args, disable_overlap_schedule=True)
 
 
 def overlap_supported(server_args) -> bool:
