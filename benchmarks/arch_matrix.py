@@ -17,7 +17,8 @@ each with the same random 2-layer z-lab-format draft. Checks:
 * T=1 distribution: 1024 samples of 2 tokens (top_k 20) per server; the second token (a speculative step) compared
   with no-spec's by a chi-square test of homogeneity (p-value).
 
-Hybrid families also run controls through the test harness switches (``tests/harness/sitecustomize``, not the
+Hybrid families also serve ours with the README's plain command (``ours_plain``: without the explicit radix-cache
+and scheduler flags, which the plugin then settles), and run controls through the test harness switches (``tests/harness/sitecustomize``, not the
 product): ours with the state committed after the whole block (must show an excess of large deficits), and ours
 with an oracle draft (ours' replies of both turns: at T=0 the same server retraces them) that forces accept lengths 0..B-1, with the right and the broken
 commit.
@@ -144,6 +145,11 @@ def histogram(replies: list[dict]) -> dict:
     return dict(sorted(total.items()))
 
 
+def step_graphed(server: Server) -> bool:
+    """Whether an sglang-dflash server captured its decode step as CUDA graphs (its start-up log line)."""
+    return "decode step captured as one CUDA graph" in server.log.read_text(errors="replace")
+
+
 def first_error(server: Server) -> str:
     lines = server.log.read_text(errors="replace").splitlines()
     hits = [ln for ln in lines if "Error" in ln or "error:" in ln]
@@ -161,14 +167,19 @@ def run_family(family: str, work: Path, controls: bool, startup: float) -> dict:
     specs = {"nospec": (None, "sglang_dflash", {}), "builtin": (draft, "builtin", {}), "ours": (draft, "sglang_dflash", {})}
     if controls:
         specs["ours_broken"] = (draft, "sglang_dflash", {**harness, "SGLANG_DFLASH_TEST_BROKEN_STATE_COMMIT": "1"})
+    plain = [f for f in flags if f not in HYBRID_FLAGS]  # the README's command: the plugin settles the hybrid flags
+    if family in HYBRID:
+        specs["ours_plain"] = (draft, "sglang_dflash", {})
     row: dict = {"family": family, "arch": FAMILIES[family][2], "servers": {}}
-    servers = {k: Server(f"{family}_{k}", target, d, impl, work, flags=flags, env=env)
+    servers = {k: Server(f"{family}_{k}", target, d, impl, work, flags=plain if k == "ours_plain" else flags, env=env)
                for k, (d, impl, env) in specs.items()}
     try:
         deadline = time.time() + startup
         up = {k: s.wait(deadline) for k, s in servers.items()}
         for k, s in servers.items():
             row["servers"][k] = {"starts": up[k]} if up[k] else {"starts": False, "error": first_error(s)}
+            if up[k] and k.startswith("ours"):
+                row["servers"][k]["step_graph"] = step_graphed(s)
         if not up["nospec"]:
             return row
         replies = {k: conversations(s, turn1, follow, reference=k == "nospec") for k, s in servers.items() if up[k]}
@@ -179,10 +190,13 @@ def run_family(family: str, work: Path, controls: bool, startup: float) -> dict:
             for k, broken in (("ours_oracle", "0"), ("ours_oracle_broken", "1")):
                 env = {**harness, "SGLANG_DFLASH_TEST_ORACLE_DRAFT": str(oracle),
                        "SGLANG_DFLASH_TEST_BROKEN_STATE_COMMIT": broken}
-                servers[k] = Server(f"{family}_{k}", target, draft, "sglang_dflash", work, flags=flags, env=env)
+                # the oracle's drafts are chosen on the host each step: its servers run the step eagerly
+                servers[k] = Server(f"{family}_{k}", target, draft, "sglang_dflash", work,
+                                    flags=[*flags, "--disable-cuda-graph"], env=env)
             for k in ("ours_oracle", "ours_oracle_broken"):
                 ok = servers[k].wait(time.time() + startup)
-                row["servers"][k] = {"starts": ok} if ok else {"starts": False, "error": first_error(servers[k])}
+                row["servers"][k] = ({"starts": ok, "step_graph": step_graphed(servers[k])} if ok
+                                     else {"starts": False, "error": first_error(servers[k])})
                 if ok:
                     replies[k] = conversations(servers[k], turn1, follow, reference=False)
         for k, rs in replies.items():
@@ -214,6 +228,7 @@ def print_table(rows: list[dict]) -> None:
     for row in rows:
         for k, c in row["servers"].items():
             starts = "yes" if c["starts"] else f"no: {c.get('error', '')[:120]}"
+            starts += {True: " (step graph)", False: " (eager step)"}.get(c.get("step_graph"), "")
             ident = f"{c['identical']} / {c['near_tie']} / {c['parted']}" if "identical" in c else "—"
             deff = f"{c['deficit_over_0_5']} / {c['deficit_over_2']} ({c['tokens']})" if "tokens" in c else "—"
             acc = f"{c['accept_length']:.2f}" if c.get("accept_length") else "—"

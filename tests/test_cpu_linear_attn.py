@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sglang_dflash.adapter import cpu_linear_attn as L
-from sglang_dflash.adapter.hybrid import commit_verified_states
+from sglang_dflash.adapter.hybrid import GraphStates, StateCommit, commit_verified_states
 
 qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 # the torch conv update: `torch_causal_conv1d_update` (SiLU built in) before transformers 5.19, then
@@ -210,6 +210,56 @@ def test_commit_takes_the_state_after_the_accepted_tokens():
     whole = caches.temporal.clone()
     commit_verified_states(caches, state_indices, torch.full_like(steps, B - 1))
     assert not torch.equal(whole, caches.temporal)
+
+
+class _StatePool:
+    """SGLang's ``HybridReqToTokenPool`` as the commit and the step graphs read it: request row -> virtual state
+    slot (``get_mamba_indices``), virtual -> physical (``translate_mamba_indices``; identity in SGLang's static
+    pool, a lookup in its unified one), and the verify scratch."""
+
+    def __init__(self, mapping, physical, caches=None):
+        self.mapping, self.physical, self.caches = torch.tensor(mapping), torch.tensor(physical), caches
+
+    def get_mamba_indices(self, rows):
+        return self.mapping[rows]
+
+    def translate_mamba_indices(self, ids):
+        return self.physical[ids]
+
+    def get_speculative_mamba2_params_all_layers(self):
+        return self.caches
+
+
+def test_graph_states_write_each_rows_state_slot_and_the_verify_offsets():
+    """A captured step's linear-attention metadata (`hybrid.GraphStates`): query offsets 0, w, 2w, ..; each row's
+    physical state slot from its request-pool row; padded rows -1 (SGLang's kernels skip them)."""
+    pool = _StatePool(mapping=[4, 2, 0, 3, 1], physical=[10, 11, 12, 13, 14])
+    backend = SimpleNamespace(linear_attn_backend=SimpleNamespace(req_to_token_pool=pool, forward_metadata=None))
+    states = GraphStates(backend, torch.arange(0, 9 * 3, 3, dtype=torch.int32), bs=4, width=3)
+    states.install()
+    assert backend.linear_attn_backend.forward_metadata is states.metadata
+    assert states.metadata.query_start_loc.tolist() == [0, 3, 6, 9, 12]
+    states.write(torch.tensor([3, 1, 0, 0]), torch.tensor([True, True, False, False]))
+    assert states.metadata.mamba_cache_indices.tolist() == [13, 12, -1, -1]
+    assert states.metadata.mamba_cache_indices.dtype == torch.int32
+    states.write(torch.tensor([0, 4, 2, 1]), torch.ones(4, dtype=torch.bool))  # rewritten in place each step
+    assert states.metadata.mamba_cache_indices.tolist() == [14, 11, 10, 12]
+
+
+def test_state_commit_reads_the_slots_from_the_request_rows():
+    """`hybrid.StateCommit` (eager step and step graph alike): request i's state after its accepted position goes to
+    the physical slot of its request-pool row."""
+    Lyr, B = 2, 4
+    caches = SimpleNamespace(temporal=torch.zeros(Lyr, 6, HV, V, K), intermediate_ssm=torch.randn(Lyr, 3, B, HV, V, K),
+                             conv=[torch.zeros(Lyr, 6, DIM, W - 1)],
+                             intermediate_conv_window=[torch.randn(Lyr, 3, B, DIM, W - 1)])
+    pool = _StatePool(mapping=[2, 0, 1], physical=[5, 1, 3], caches=caches)
+    commit = StateCommit(SimpleNamespace(linear_attn_backend=SimpleNamespace(req_to_token_pool=pool)))
+    commit(torch.tensor([2, 0]), torch.tensor([1, 2]))  # rows 1, 2 -> virtual 0, 1 -> physical 5, 1
+    assert torch.equal(caches.temporal[:, 5], caches.intermediate_ssm[:, 0, 2])
+    assert torch.equal(caches.temporal[:, 1], caches.intermediate_ssm[:, 1, 0])
+    assert torch.equal(caches.conv[0][:, 1], caches.intermediate_conv_window[0][:, 1, 0])
+    assert not caches.temporal[:, [0, 2, 3, 4]].any()
 
 
 # ------------------------------------------------------------------------------------------------ continuation

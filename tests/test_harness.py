@@ -270,3 +270,15 @@ def test_cuda_server_command_and_env(monkeypatch, backend):
     assert env["OMP_NUM_THREADS"] == "1"
     monkeypatch.delenv("PYTHONPATH")
     assert "PYTHONPATH" not in server_env(device="cuda")
+
+
+@pytest.mark.parametrize("device, method", [("cpu", "fork"), ("cuda", "spawn")])
+def test_sitecustomize_forks_only_cpu_servers(device, method):
+    """The harness hook forks SGLang's scheduler / detokenizer from the launcher of a ``--device cpu`` server only:
+    a CUDA process cannot be forked once CUDA is initialised, so a GPU server keeps SGLang's spawn."""
+    import subprocess
+
+    code = "import multiprocessing as mp; mp.set_start_method('spawn'); print(mp.get_start_method())"
+    out = subprocess.run([sys.executable, "-c", code, "--device", device], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(SITECUSTOMIZE_DIR)})
+    assert out.stdout.split()[-1] == method

@@ -6,7 +6,8 @@ tokens runs with SGLang's hybrid backend in TARGET_VERIFY mode, which leaves the
 conv state is rolled over the whole block) and records the state after every block position in the pool's scratch
 (``intermediate_ssm`` / ``intermediate_conv_window``, row i = the i-th request of the batch). Once the accept is
 known, `commit_verified_states` makes the state of each request the one after its committed tokens: the bonus and
-its ``a`` accepted drafts, i.e. block position ``a`` (0 .. B-1). Everything else SGLang does for these models as
+its ``a`` accepted drafts, i.e. block position ``a`` (0 .. B-1); the same whether the step ran eagerly or as a
+captured graph (`GraphStates`: the graph's own linear-attention metadata). Everything else SGLang does for these models as
 for any other: the prefill (chunked or not) advances the state itself, the radix cache (``no_buffer``) stores a
 request's state with its committed tokens (``kv_committed_len``: the bonus of the last step is not among them,
 and neither is it in the state), a retracted request is prefilled again.
@@ -92,19 +93,51 @@ def commit_verified_states(caches, state_indices: torch.Tensor, steps: torch.Ten
 
 
 class StateCommit:
-    """Commits the verify states of a hybrid target after each accept (`commit_verified_states`): the slots are the
-    ones the target's linear-attention backend planned the verify forward with."""
+    """Commits the verify states of a hybrid target after each accept (`commit_verified_states`). A request's state
+    slot is read from its request-pool row, as SGLang's linear-attention backend plans it (`state_slots`), so an
+    eager step and a replayed step graph commit alike."""
 
     def __init__(self, target_backend):
+        self.pool = target_backend.linear_attn_backend.req_to_token_pool
+
+    def __call__(self, accept_lens: torch.Tensor, req_pool_indices: torch.Tensor) -> None:
+        """``accept_lens`` ``[bs]``: accepted drafts per request (the state after block position accept_lens[i]);
+        ``req_pool_indices`` ``[bs]``: the requests' pool rows."""
+        commit_verified_states(self.pool.get_speculative_mamba2_params_all_layers(),
+                               state_slots(self.pool, req_pool_indices), accept_lens.to(torch.int64))
+
+
+def state_slots(pool, req_pool_indices: torch.Tensor) -> torch.Tensor:
+    """``[bs]`` the linear-attention state slots of the requests at ``req_pool_indices`` (physical ids, as the
+    kernels read them; SGLang's ``HybridReqToTokenPool``)."""
+    return pool.translate_mamba_indices(pool.get_mamba_indices(req_pool_indices))
+
+
+class GraphStates:
+    """The linear-attention metadata of a captured decode step (`step_graphs`): the verify's query offsets (fixed
+    by batch size and width) and the state slot of each row, written on the device inside the graph from the
+    request-pool rows (padded rows -1, which SGLang's kernels skip). The graph's own buffers, so it shares none
+    with SGLang's per-runner graphs."""
+
+    def __init__(self, target_backend, qo_indptr: torch.Tensor, bs: int, width: int):
+        """``qo_indptr`` int32 ``[>= bs + 1]``: ``arange(0, .., width)``."""
+        from sglang.srt.layers.attention.mamba.mamba2_metadata import ForwardMetadata
+
         self.linear_backend = target_backend.linear_attn_backend
         self.pool = self.linear_backend.req_to_token_pool
+        slots = torch.full((bs,), -1, dtype=torch.int32, device=qo_indptr.device)
+        self.metadata = ForwardMetadata(query_start_loc=qo_indptr[: bs + 1], mamba_cache_indices=slots,
+                                        is_target_verify=True, draft_token_num=width)
 
-    def __call__(self, accept_lens: torch.Tensor) -> None:
-        """``accept_lens`` ``[bs]``: accepted drafts per request (the state after block position accept_lens[i])."""
-        bs = accept_lens.shape[0]
-        slots = self.linear_backend.forward_metadata.mamba_cache_indices[:bs]
-        commit_verified_states(self.pool.get_speculative_mamba2_params_all_layers(), slots,
-                               accept_lens.to(torch.int64))
+    def install(self) -> None:
+        """Make this graph's metadata the one the target's linear-attention layers read (before warm-up and
+        capture)."""
+        self.linear_backend.forward_metadata = self.metadata
+
+    def write(self, req_pool_indices: torch.Tensor, valid: torch.Tensor) -> None:
+        """In the graph: ``req_pool_indices`` ``[bs]`` int64, ``valid`` ``[bs]`` bool (False: a padded row)."""
+        slots = state_slots(self.pool, req_pool_indices).to(torch.int32)
+        self.metadata.mamba_cache_indices.copy_(torch.where(valid, slots, -1))
 
 
 def state_commit(target_runner) -> StateCommit | None:

@@ -37,6 +37,7 @@ from triton import next_power_of_2 as triton_next_power_of_2
 from sglang.srt.distributed.parallel_state import graph_capture
 
 from sglang_dflash.adapter import compat
+from sglang_dflash.adapter.hybrid import GraphStates
 from sglang_dflash.adapter.spec_inputs import write_block_kv_layout
 from sglang_dflash.adapter.step import StepBatch, StepModels, StepResult, decode_step, padded_rows
 from sglang_dflash.kernels.attention_plan import split_kv_plan
@@ -49,16 +50,14 @@ SEQ_LEN_FILL = 1  # committed length of padded rows (FlashInfer needs kv_len >= 
 def capture(m: StepModels, runners: Sequence, backend: str, hybrid: bool, widths: Sequence[int], device
             ) -> StepGraphs | None:
     """`decode_step` captured for the batch sizes both ``runners`` (target, draft) captured x ``widths``, where it
-    can be: CUDA graphs on, a pure-attention target (not ``hybrid``), FlashInfer's fa2 prefill with one wrapper per
-    model, an SGLang without the KV-location plan (`compat.VERIFY_ARGS_KEYWORD_PLAN`; 0.5.23 pins a FlashInfer the
+    can be: CUDA graphs on, FlashInfer's fa2 prefill with one wrapper per model (a ``hybrid`` target's full-attention
+    layers included; its linear-attention layers as `hybrid.GraphStates`), an SGLang without the KV-location plan (`compat.VERIFY_ARGS_KEYWORD_PLAN`; 0.5.23 pins a FlashInfer the
     device plan was not checked against anyway), a FlashInfer its device plan was checked against. None (the step
     runs eagerly, logged) otherwise."""
     if not str(device).startswith("cuda") or any(r.decode_cuda_graph_runner is None for r in runners):
         return None
-    if hybrid:
-        reason = "hybrid target: its CUDA graph is not built for linear-attention states"
-    elif backend != "flashinfer" or not all(r.attn_backend.num_wrappers == 1
-                                            and r.attn_backend.prefill_backend == "fa2" for r in runners):
+    if backend != "flashinfer" or not all(paged(r.attn_backend).num_wrappers == 1
+                                          and paged(r.attn_backend).prefill_backend == "fa2" for r in runners):
         reason = "its CUDA graph needs FlashInfer's fa2 prefill with one wrapper per model"
     elif compat.VERIFY_ARGS_KEYWORD_PLAN:
         reason = "host attention plan: the graph's device-side layout reads req_to_token, not SGLang's KV-location plan"
@@ -69,7 +68,7 @@ def capture(m: StepModels, runners: Sequence, backend: str, hybrid: bool, widths
         logger.info("sglang-dflash: the decode step runs eagerly (%s)", reason)
         return None
     sizes = sorted(set.intersection(*(set(r.decode_cuda_graph_runner.capture_bs) for r in runners)))
-    graphs = StepGraphs(m, sizes, widths, runners[0].model_config.vocab_size, device)
+    graphs = StepGraphs(m, sizes, widths, runners[0].model_config.vocab_size, device, hybrid)
     logger.info("sglang-dflash: decode step captured as one CUDA graph for batch sizes %s x verify widths %s",
                 sizes, widths)
     return graphs
@@ -112,11 +111,12 @@ class DevicePlan:
 
 class GraphPlan:
     """`decode_step`'s attention planner inside a captured graph: the paged layout and split-kv plan of this graph's
-    own wrappers, written on the device, then each backend's in-graph metadata. ``layouts``: (wrapper, query rows
-    per request, qo_indptr ``arange(0, (bs + 1) * rows, rows)``) per wrapper."""
+    own wrappers, written on the device, a hybrid target's state slots (``states``), then each backend's in-graph
+    metadata. ``layouts``: (wrapper, query rows per request, qo_indptr ``arange(0, (bs + 1) * rows, rows)``) per
+    wrapper."""
 
-    def __init__(self, layouts: list, plans: list[DevicePlan]):
-        self.layouts, self.plans = layouts, plans
+    def __init__(self, layouts: list, plans: list[DevicePlan], states: GraphStates | None = None):
+        self.layouts, self.plans, self.states = layouts, plans, states
 
     def __call__(self, m: StepModels, b: StepBatch) -> None:
         for wrapper, rows, qo_indptr in self.layouts:  # the attention layout
@@ -125,6 +125,8 @@ class GraphPlan:
                                   wrapper._paged_kv_indptr_buf, wrapper._paged_kv_indices_buf)
         for plan in self.plans:  # and its split-kv plan
             plan.write(b.seq_lens)
+        if self.states is not None:
+            self.states.write(b.req_pool_indices, b.valid)
         if b.draft_fb is not None:
             m.draft_backend.init_forward_metadata_in_graph(b.draft_fb)
         m.target_backend.init_forward_metadata_in_graph(b.target_fb)
@@ -141,10 +143,11 @@ class _Captured:
 
 class StepGraphs:
     """`decode_step` captured for ``batch_sizes`` x ``widths`` (FlashInfer, CUDA); ``vocab_size``: the target's logits
-    width."""
+    width; ``hybrid``: the target has linear-attention layers."""
 
-    def __init__(self, m: StepModels, batch_sizes: Sequence[int], widths: Sequence[int], vocab_size: int, device):
-        self.m, self.B = m, m.block_size
+    def __init__(self, m: StepModels, batch_sizes: Sequence[int], widths: Sequence[int], vocab_size: int, device,
+                 hybrid: bool = False):
+        self.m, self.B, self.hybrid = m, m.block_size, hybrid
         self.sizes = sorted({int(b) for b in batch_sizes})
         self.widths = sorted({int(w) for w in widths})
         max_bs, dev = self.sizes[-1], device
@@ -189,11 +192,15 @@ class StepGraphs:
             m.draft_backend.forward_metadata = draft[2]  # what the draft forward reads while being captured
             layouts += draft[0]
             plans += draft[1]
-        wrappers = _prepare_wrappers(m.target_backend, b.target_fb, bs)
-        be = m.target_backend.indices_updater_prefill
+        target = paged(m.target_backend)
+        wrappers = _prepare_wrappers(target, b.target_fb, bs)
+        be = target.indices_updater_prefill
         layouts += [(wr, w, self.qo_indptr[w]) for wr in wrappers]
         plans += [DevicePlan(wr, bs, w, be.num_qo_heads, be.num_kv_heads, self.plan_scratch) for wr in wrappers]
-        plan = GraphPlan(layouts, plans)
+        states = GraphStates(m.target_backend, self.qo_indptr[w], bs, w) if self.hybrid else None
+        if states is not None:
+            states.install()  # what the target's linear-attention layers read while being captured
+        plan = GraphPlan(layouts, plans, states)
 
         torch.cuda.synchronize(dev)
         graph = torch.cuda.CUDAGraph()
@@ -237,6 +244,11 @@ class StepGraphs:
         accept_lens, bonus, committed, new_seq_lens = unpack(c.packed.clone(), m, width)  # one copy
         return StepResult(o.draft_tokens[:n], o.logits[: n * width], accept_lens[:n], bonus[:n], committed[:n],
                           new_seq_lens[:n])
+
+
+def paged(backend):
+    """The FlashInfer backend of a runner's attention backend: itself, or a hybrid target's full-attention one."""
+    return getattr(backend, "full_attn_backend", backend)
 
 
 def _prepare_wrappers(backend, fb, bs: int) -> list:

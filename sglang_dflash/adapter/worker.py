@@ -198,7 +198,7 @@ class DFlashWorker(BaseSpecWorker):
                 accepted = agree_on_accept(accepted, self.tp_group)
         accept_lens, _, committed, _ = accepted
         if self.state_commit is not None:  # hybrid target: linear-attention states after the committed tokens
-            self.state_commit(accept_lens)
+            self.state_commit(accept_lens, rows)
         result = decode_result(res.logits, accepted, width, self.block_size, graphed)
         if batch.return_logprob:
             self.sampler.attach_logprobs(batch, result.logits_output, committed)

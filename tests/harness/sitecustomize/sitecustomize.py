@@ -35,7 +35,8 @@ is the plugin's own set-up (``sglang_dflash.adapter.cpu_platform``), not this fi
    of CPU each, the bulk of a CPU server's start-up). A test server forks them from the launcher instead, which has
    imported it already (a SmolLM2 server ready in ~16 s instead of ~25 s on 2 cores). The spawn path the product
    takes is what ``tests/test_cpu_serving.py`` starts (the README's command, without this file);
-   ``SGLANG_DFLASH_TEST_SPAWN=1`` keeps it here too.
+   ``SGLANG_DFLASH_TEST_SPAWN=1`` keeps it here too. Only a server launched with ``--device cpu``: a CUDA process
+   cannot be forked once CUDA is initialised ("Cannot re-initialize CUDA in forked subprocess").
 """
 
 import itertools
@@ -173,8 +174,12 @@ if os.environ.get("SGLANG_DFLASH_TEST_BROKEN_STATE_COMMIT") == "1":
     sys.meta_path.insert(0, _PatchAfterImport("sglang_dflash.adapter.hybrid", _patch_hybrid))
 
 
-# 6. SGLang's processes forked from the launcher (see the module docstring)
-if os.environ.get("SGLANG_DFLASH_TEST_SPAWN") != "1":
+# 6. SGLang's processes forked from the launcher (see the module docstring); CPU servers only
+def _cpu_server(argv) -> bool:
+    return any(a == "--device" and v == "cpu" for a, v in zip(argv, argv[1:])) or "--device=cpu" in argv
+
+
+if os.environ.get("SGLANG_DFLASH_TEST_SPAWN") != "1" and _cpu_server(sys.argv):
     import multiprocessing
 
     _set_start_method = multiprocessing.set_start_method
