@@ -17,11 +17,12 @@ each with the same random 2-layer z-lab-format draft. Checks:
 * T=1 distribution: 1024 samples of 2 tokens (top_k 20) per server; the second token (a speculative step) compared
   with no-spec's by a chi-square test of homogeneity (p-value).
 
-Hybrid families also serve ours with the README's plain command (``ours_plain``: without the explicit radix-cache
-and scheduler flags, which the plugin then settles), and run controls through the test harness switches (``tests/harness/sitecustomize``, not the
-product): ours with the state committed after the whole block (must show an excess of large deficits), and ours
-with an oracle draft (ours' replies of both turns: at T=0 the same server retraces them) that forces accept lengths 0..B-1, with the right and the broken
-commit.
+Hybrid families also serve ours with the README's plain command (``ours_plain``: without the explicit
+radix-cache and scheduler flags, which the plugin then settles), and run controls through the test harness switches
+(``tests/harness/sitecustomize``, not the product): ours with the state committed after the whole block (must show
+an excess of large deficits), and ours with an oracle draft (ours' replies of both turns: at T=0 the same server
+retraces them) that forces accept lengths 0..B-1, with the right and the broken commit; the oracle's servers run
+the step eagerly (its drafts are chosen on the host each step, which a captured step cannot do).
 
     python benchmarks/arch_matrix.py --families llama,qwen3_next --out results/arch
 
@@ -190,7 +191,6 @@ def run_family(family: str, work: Path, controls: bool, startup: float) -> dict:
             for k, broken in (("ours_oracle", "0"), ("ours_oracle_broken", "1")):
                 env = {**harness, "SGLANG_DFLASH_TEST_ORACLE_DRAFT": str(oracle),
                        "SGLANG_DFLASH_TEST_BROKEN_STATE_COMMIT": broken}
-                # the oracle's drafts are chosen on the host each step: its servers run the step eagerly
                 servers[k] = Server(f"{family}_{k}", target, draft, "sglang_dflash", work,
                                     flags=[*flags, "--disable-cuda-graph"], env=env)
             for k in ("ours_oracle", "ours_oracle_broken"):

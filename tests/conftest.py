@@ -66,7 +66,8 @@ def make_draft_config(target_config, num_hidden_layers: int = 2, block_size: int
 FAST_TIER_SECONDS = {"test_hf.py": 120, "test_adapter.py": 95, "test_train_ddp.py": 28, "test_assets.py": 23,
                      "test_tp.py": 19, "test_verify.py": 17, "test_train.py": 9, "test_cpu_serving.py": 9,
                      "test_draft_kernels.py": 9, "test_model.py": 8, "test_zlab_semantics.py": 8, "test_bootstrap.py": 7,
-                     "test_bench.py": 7, "test_cpu_attention.py": 6, "test_harness_cleanup.py": 5, "test_attention_plan.py": 4, "test_kernels.py": 4}
+                     "test_bench.py": 7, "test_cpu_attention.py": 6, "test_harness_cleanup.py": 5,
+                     "test_attention_plan.py": 4, "test_kernels.py": 4}
 SERVER_TIER_SECONDS = {"test_server_dflash.py": 583, "test_server_tp.py": 153, "test_server_arch.py": 78,
                        "test_harness.py": 52, "test_server_sliding_draft.py": 39, "test_cpu_serving.py": 32}
 

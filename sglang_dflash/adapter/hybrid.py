@@ -7,10 +7,10 @@ conv state is rolled over the whole block) and records the state after every blo
 (``intermediate_ssm`` / ``intermediate_conv_window``, row i = the i-th request of the batch). Once the accept is
 known, `commit_verified_states` makes the state of each request the one after its committed tokens: the bonus and
 its ``a`` accepted drafts, i.e. block position ``a`` (0 .. B-1); the same whether the step ran eagerly or as a
-captured graph (`GraphStates`: the graph's own linear-attention metadata). Everything else SGLang does for these models as
-for any other: the prefill (chunked or not) advances the state itself, the radix cache (``no_buffer``) stores a
-request's state with its committed tokens (``kv_committed_len``: the bonus of the last step is not among them,
-and neither is it in the state), a retracted request is prefilled again.
+captured graph (`GraphStates`: the graph's own linear-attention metadata). Everything else SGLang does for these
+models as for any other: the prefill (chunked or not) advances the state itself, the radix cache (``no_buffer``)
+stores a request's state with its committed tokens (``kv_committed_len``: the bonus of the last step is not among
+them, and neither is it in the state), a retracted request is prefilled again.
 
 Start-up (`resolve_server_args`, in the launcher): SGLang sizes the state pool with the scratch of
 ``max_running_requests`` verify blocks, so that number must be known (SGLang's own DFLASH sets 48; so does this

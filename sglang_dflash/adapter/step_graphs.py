@@ -51,9 +51,9 @@ def capture(m: StepModels, runners: Sequence, backend: str, hybrid: bool, widths
             ) -> StepGraphs | None:
     """`decode_step` captured for the batch sizes both ``runners`` (target, draft) captured x ``widths``, where it
     can be: CUDA graphs on, FlashInfer's fa2 prefill with one wrapper per model (a ``hybrid`` target's full-attention
-    layers included; its linear-attention layers as `hybrid.GraphStates`), an SGLang without the KV-location plan (`compat.VERIFY_ARGS_KEYWORD_PLAN`; 0.5.23 pins a FlashInfer the
-    device plan was not checked against anyway), a FlashInfer its device plan was checked against. None (the step
-    runs eagerly, logged) otherwise."""
+    layers included; its linear-attention layers as `hybrid.GraphStates`), an SGLang without the KV-location plan
+    (`compat.VERIFY_ARGS_KEYWORD_PLAN`; 0.5.23 pins a FlashInfer the device plan was not checked against anyway), a
+    FlashInfer its device plan was checked against. None (the step runs eagerly, logged) otherwise."""
     if not str(device).startswith("cuda") or any(r.decode_cuda_graph_runner is None for r in runners):
         return None
     if backend != "flashinfer" or not all(paged(r.attn_backend).num_wrappers == 1
