@@ -1,0 +1,100 @@
+"""Time per decode step at one batch size: no-spec against DFLASH with nothing accepted, widths pinned.
+
+Each server (one at a time) gets ``--concurrency`` concurrent greedy requests of ``--new-tokens`` tokens each
+(``ignore_eos``), after one warm-up round; with a random draft nothing is accepted, so every DFLASH step commits one
+token per request and wall time / ``--new-tokens`` is the time of one step at that batch size. ``w1`` pins the
+verify width to 1 (a plain decode step plus the draft's context K/V), ``fixed`` verifies the whole block: the
+difference to no-spec is the DFLASH path's own per-step cost (host work and launches at a small target; the verify
+itself at a large one), with acceptance and the width policy out of the picture.
+
+    python benchmarks/bench_batch_steps.py --out DIR                  # random_checkpoints.py's tiny shape, built here
+    python benchmarks/bench_batch_steps.py --target T --draft D --out DIR --concurrency 64
+
+Prints a table and writes ``<out>/results.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+import torch
+
+from bench_dflash import SERVER_FLAGS, Server
+from random_checkpoints import build
+
+WIDTHS = {"w1": '{"widths": [1]}', "fixed": '{"adaptive": false}'}
+
+
+def flags(concurrency: int) -> list[str]:
+    if torch.cuda.is_available():
+        return [*SERVER_FLAGS, "--cuda-graph-max-bs", str(concurrency), "--max-running-requests", str(concurrency)]
+    return ["--dtype", "float32", "--sleep-on-idle", "--max-running-requests", str(concurrency)]
+
+
+def load(server: Server, concurrency: int, new_tokens: int) -> float:
+    """Seconds for ``concurrency`` concurrent requests of ``new_tokens`` tokens (distinct 5-token prompts)."""
+    def one(i: int) -> int:
+        r = requests.post(server.url + "/generate", timeout=1800, json={
+            "input_ids": [10 + i, 20 + i, 30, 40, 50],
+            "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}})
+        r.raise_for_status()
+        return r.json()["meta_info"]["completion_tokens"]
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as ex:
+        done = list(ex.map(one, range(concurrency)))
+    if done != [new_tokens] * concurrency:
+        raise SystemExit(f"{server.name}: replies of {sorted(set(done))} tokens, expected {new_tokens}")
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default=None, help="default: a random tiny target built under --out")
+    ap.add_argument("--draft", default=None, help="a draft for --target that accepts nothing (e.g. a random one)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--servers", default="nospec,w1,fixed")
+    ap.add_argument("--startup-timeout", type=float, default=600)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.target:
+        target, draft = Path(args.target), Path(args.draft)
+    else:
+        target, draft = build("tiny", out / "models", "cuda" if torch.cuda.is_available() else "cpu")
+    results = {"date": time.strftime("%Y-%m-%d"), "args": vars(args),
+               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "servers": {}}
+    for name in args.servers.split(","):
+        extra = [] if name == "nospec" else ["--speculative-adaptive-config", WIDTHS[name]]
+        server = Server(name, target, None if name == "nospec" else draft, "sglang_dflash", out,
+                        extra=extra, flags=flags(args.concurrency))
+        try:
+            if not server.wait(time.time() + args.startup_timeout):
+                raise SystemExit(f"{name}: {server.error}; see {server.log}")
+            load(server, args.concurrency, args.new_tokens)  # warm-up
+            passes = [load(server, args.concurrency, args.new_tokens) for _ in range(args.repeats)]
+        finally:
+            server.stop()
+        ms = statistics.median(passes) / args.new_tokens * 1e3
+        results["servers"][name] = {"seconds": passes, "ms_per_step": ms}
+        print(f"{name}: {ms:.2f} ms per step (passes {', '.join(f'{s:.2f}' for s in passes)} s)", flush=True)
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+    ref = results["servers"].get("nospec", {}).get("ms_per_step")
+    print(f"\n{args.concurrency} concurrent requests x {args.new_tokens} tokens, {results['device']}")
+    print("| server | ms per step | vs no-spec |\n|---|---|---|")
+    for name, r in results["servers"].items():
+        ratio = f"{ref / r['ms_per_step']:.2f}x" if ref else "—"
+        print(f"| {name} | {r['ms_per_step']:.2f} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
