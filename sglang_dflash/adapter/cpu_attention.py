@@ -25,6 +25,7 @@ from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
+from sglang_dflash.adapter.hybrid import full_attention_backend
 from sglang_dflash.model import attention_mask
 
 
@@ -104,8 +105,8 @@ def swa_rows(pool, k_cache: torch.Tensor, req_to_token: torch.Tensor, req_pool_i
 def install(runner) -> None:
     """Serve ``runner``'s extends with `DFlashCPUAttnBackend` (it must be a CPU runner on torch_native). A hybrid
     target's backend (``HybridLinearAttnBackend``) gets it for its full-attention layers."""
-    hybrid = getattr(runner.attn_backend, "full_attn_backend", None) is not None
-    old = runner.attn_backend.full_attn_backend if hybrid else runner.attn_backend
+    old = full_attention_backend(runner.attn_backend)
+    hybrid = old is not runner.attn_backend
     if type(old) is not TorchNativeAttnBackend:
         raise ValueError(f"sglang-dflash: the CPU runner uses {type(old).__name__}; DFLASH on CPU needs "
                          "--attention-backend torch_native.")

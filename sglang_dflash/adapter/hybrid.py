@@ -107,6 +107,12 @@ class StateCommit:
                                state_slots(self.pool, req_pool_indices), accept_lens.to(torch.int64))
 
 
+def full_attention_backend(backend):
+    """The backend of a runner's full-attention layers: a hybrid target's ``HybridLinearAttnBackend`` child
+    (``full_attn_backend``), else ``backend`` itself."""
+    return getattr(backend, "full_attn_backend", backend)
+
+
 def state_slots(pool, req_pool_indices: torch.Tensor) -> torch.Tensor:
     """``[bs]`` the linear-attention state slots of the requests at ``req_pool_indices`` (physical ids, as the
     kernels read them; SGLang's ``HybridReqToTokenPool``)."""

@@ -37,7 +37,7 @@ from triton import next_power_of_2 as triton_next_power_of_2
 from sglang.srt.distributed.parallel_state import graph_capture
 
 from sglang_dflash.adapter import compat
-from sglang_dflash.adapter.hybrid import GraphStates
+from sglang_dflash.adapter.hybrid import GraphStates, full_attention_backend
 from sglang_dflash.adapter.spec_inputs import write_block_kv_layout
 from sglang_dflash.adapter.step import StepBatch, StepModels, StepResult, decode_step, padded_rows
 from sglang_dflash.kernels.attention_plan import split_kv_plan
@@ -56,8 +56,9 @@ def capture(m: StepModels, runners: Sequence, backend: str, hybrid: bool, widths
     FlashInfer its device plan was checked against. None (the step runs eagerly, logged) otherwise."""
     if not str(device).startswith("cuda") or any(r.decode_cuda_graph_runner is None for r in runners):
         return None
-    if backend != "flashinfer" or not all(paged(r.attn_backend).num_wrappers == 1
-                                          and paged(r.attn_backend).prefill_backend == "fa2" for r in runners):
+    if backend != "flashinfer" or not all(full_attention_backend(r.attn_backend).num_wrappers == 1
+                                          and full_attention_backend(r.attn_backend).prefill_backend == "fa2"
+                                          for r in runners):
         reason = "its CUDA graph needs FlashInfer's fa2 prefill with one wrapper per model"
     elif compat.VERIFY_ARGS_KEYWORD_PLAN:
         reason = "host attention plan: the graph's device-side layout reads req_to_token, not SGLang's KV-location plan"
@@ -192,7 +193,7 @@ class StepGraphs:
             m.draft_backend.forward_metadata = draft[2]  # what the draft forward reads while being captured
             layouts += draft[0]
             plans += draft[1]
-        target = paged(m.target_backend)
+        target = full_attention_backend(m.target_backend)
         wrappers = _prepare_wrappers(target, b.target_fb, bs)
         be = target.indices_updater_prefill
         layouts += [(wr, w, self.qo_indptr[w]) for wr in wrappers]
@@ -244,11 +245,6 @@ class StepGraphs:
         accept_lens, bonus, committed, new_seq_lens = unpack(c.packed.clone(), m, width)  # one copy
         return StepResult(o.draft_tokens[:n], o.logits[: n * width], accept_lens[:n], bonus[:n], committed[:n],
                           new_seq_lens[:n])
-
-
-def paged(backend):
-    """The FlashInfer backend of a runner's attention backend: itself, or a hybrid target's full-attention one."""
-    return getattr(backend, "full_attn_backend", backend)
 
 
 def _prepare_wrappers(backend, fb, bs: int) -> list:
