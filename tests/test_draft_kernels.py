@@ -315,6 +315,37 @@ def test_sglang_draft_fused_forward_and_context_kv_equal_the_core(tiny_qwen3):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_context_kv_reads_layers_in_target_layer_ids_order_repeats_included(tiny_qwen3):
+    """z-lab concatenates the target's hidden states in ``target_layer_ids`` order, repeats included (its default
+    layer choice repeats layers of small targets); SGLang's targets return each captured layer once, in layer
+    order. The context K/V must be the core's on z-lab's concatenation."""
+    from sglang_dflash.adapter.draft_model import SGLangDFlashDraft, capture_target_layers
+    from sglang_dflash.model import DFlashDraftModel
+
+    class Target:
+        def set_dflash_layers_to_capture(self, ids):
+            self.ids = ids
+
+    cfg = make_draft_config(tiny_qwen3.config, num_hidden_layers=2, target_layer_ids=[3, 1, 3])
+    target = Target()
+    captured = capture_target_layers(target, list(cfg.target_layer_ids), cfg.num_target_layers)
+    assert captured == target.ids == [1, 3]
+    torch.manual_seed(4)
+    core = DFlashDraftModel(cfg).eval()
+    model = SGLangDFlashDraft(_hf(cfg))
+    model.load_weights([(f"model.{k}", v) for k, v in core.state_dict().items()])
+    model.read_captured_layers(captured)
+    assert model.aux_chunks.tolist() == [1, 0, 1]
+    h = cfg.hidden_size
+    by_layer = {1: torch.randn(7, h), 3: torch.randn(7, h)}
+    pos, loc, pool = torch.arange(7), torch.arange(7) + 50, _KVPool()
+    model.write_context_kv(torch.cat([by_layer[1], by_layer[3]], dim=1), pos, loc, pool)
+    zlab = torch.cat([by_layer[i] for i in cfg.target_layer_ids], dim=1)
+    for i, (k, v) in enumerate(core.context_kv(core.project_context(zlab[None]), pos[None])):
+        torch.testing.assert_close(pool.writes[i][1], k[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pool.writes[i][2], v[0], rtol=1e-5, atol=1e-5)
+
+
 def _hf(cfg):
     from transformers import PretrainedConfig
 

@@ -74,7 +74,16 @@ class SGLangDFlashDraft(nn.Module):
                 sliding_window_size=-1 if window is None else window - 1,  # SGLang's window excludes the query
                 attn_type=AttentionType.DECODER if causal else AttentionType.ENCODER_ONLY,
             ))
+        self.aux_chunks: torch.Tensor | None = None  # `read_captured_layers`
         self._fuse_weights()
+
+    def read_captured_layers(self, captured: list[int]) -> None:
+        """The target returns the hidden states of its layers ``captured`` (ascending, each once), which the draft
+        reads in ``target_layer_ids`` order, repeats included (z-lab concatenates them so): when the two differ,
+        `write_context_kv` gathers its input's chunks by ``aux_chunks`` [len(target_layer_ids)]."""
+        ids = list(self.dcfg.target_layer_ids)
+        self.aux_chunks = None if ids == captured else torch.tensor(
+            [captured.index(i) for i in ids], device=self.ctx_kv_weight.device)
 
     def _fuse_weights(self) -> None:
         """Lay the weights out for few launches per layer: q/k/v and gate/up become row slices of one matrix
@@ -150,12 +159,15 @@ class SGLangDFlashDraft(nn.Module):
     def write_context_kv(
         self, aux_hidden: torch.Tensor, positions: torch.Tensor, cache_loc: torch.Tensor, kv_pool
     ) -> None:
-        """aux_hidden [N, n_ids*H], positions [N], cache_loc [N] -> draft KV at those slots: fc + hidden_norm,
-        one GEMM for every layer's K and V, one k-norm+RoPE launch over every layer's K heads."""
+        """aux_hidden [N, n_captured*H] (`read_captured_layers`), positions [N], cache_loc [N] -> draft KV at
+        those slots: fc + hidden_norm, one GEMM for every layer's K and V, one k-norm+RoPE launch over every
+        layer's K heads."""
         n = aux_hidden.shape[0]
         if n == 0:
             return
         core, c = self.core, self.core.cfg
+        if self.aux_chunks is not None:
+            aux_hidden = aux_hidden.view(n, -1, c.hidden_size)[:, self.aux_chunks].flatten(1)
         hkv, d, layers = c.num_key_value_heads, c.head_dim, c.num_hidden_layers
         ctx, _ = rms_norm(F.linear(aux_hidden.to(core.fc.weight.dtype), core.fc.weight), core.hidden_norm.weight,
                           core.hidden_norm.eps)
@@ -197,9 +209,10 @@ def _fused(*linears: nn.Linear) -> torch.Tensor:
     return fused
 
 
-def capture_target_layers(target, layer_ids: list[int], num_layers: int) -> None:
+def capture_target_layers(target, layer_ids: list[int], num_layers: int) -> list[int]:
     """Make the ``target`` model (``num_layers`` layers) return with its logits the hidden states after its layers
-    ``layer_ids``, which the draft reads (`SGLangDFlashDraft.write_context_kv`'s ``aux_hidden``)."""
+    ``layer_ids``, which the draft reads (`SGLangDFlashDraft.write_context_kv`'s ``aux_hidden``). SGLang's models
+    return them in layer order, each layer once: returns that order (`SGLangDFlashDraft.read_captured_layers`)."""
     hybrid.add_dflash_capture(target)
     if not hasattr(target, "set_dflash_layers_to_capture"):
         raise ValueError(
@@ -212,7 +225,9 @@ def capture_target_layers(target, layer_ids: list[int], num_layers: int) -> None
             f"({num_layers - 1}); SGLang captures hidden states before a layer runs, so the last layer's output "
             "cannot be captured. Use a draft trained on earlier layers."
         )
-    target.set_dflash_layers_to_capture(layer_ids)
+    captured = sorted(set(layer_ids))
+    target.set_dflash_layers_to_capture(captured)
+    return captured
 
 
 EntryClass = [SGLangDFlashDraft]

@@ -54,8 +54,8 @@ class DFlashWorker(BaseSpecWorker):
                                                       args.speculative_draft_model_revision)
         self.dcfg.validate_target(self.target_runner.model_config.hf_config)
         target = self.target_runner.model
-        capture_target_layers(target, list(self.dcfg.target_layer_ids),
-                              self.target_runner.model_config.hf_text_config.num_hidden_layers)
+        captured = capture_target_layers(target, list(self.dcfg.target_layer_ids),
+                                         self.target_runner.model_config.hf_text_config.num_hidden_layers)
         self.embed = target.get_input_embeddings()
         # under tensor parallelism: this rank's vocabulary shard (`tp`); every rank's accept is rank 0's
         self.lm_head_weight, self.vocab_start, vocab_split = lm_head_shard(target.lm_head)
@@ -67,6 +67,7 @@ class DFlashWorker(BaseSpecWorker):
         self._draft_worker = self._build_draft_worker(server_args, gpu_id, ps, nccl_port)
         self.draft_runner = self._draft_worker.model_runner
         self.draft_model: SGLangDFlashDraft = self.draft_runner.model
+        self.draft_model.read_captured_layers(captured)
         if self.draft_model.get_attention_sliding_window_size() is not None and self.backend != "torch_native":
             logger.info("sglang-dflash: sliding-window draft layers run on SGLang's sliding-window attention, which "
                         "trims each request's keys to its window plus the block: at contexts longer than the window "
