@@ -3,14 +3,16 @@
 Each server (one at a time) gets ``--concurrency`` concurrent greedy requests of ``--new-tokens`` tokens each
 (``ignore_eos``), after one warm-up round; with a random draft nothing is accepted, so every DFLASH step commits one
 token per request and wall time / ``--new-tokens`` is the time of one step at that batch size. ``w1`` pins the
-verify width to 1 (a plain decode step plus the draft's context K/V), ``fixed`` verifies the whole block: the
-difference to no-spec is the DFLASH path's own per-step cost (host work and launches at a small target; the verify
-itself at a large one), with acceptance and the width policy out of the picture.
+verify width to 1 (a plain decode step plus the draft's context K/V), ``fixed`` verifies the whole block,
+``adaptive`` is the default server (the width policy chooses; `--servers nospec,w1,adaptive`). The difference
+of ``w1`` / ``fixed`` to no-spec is the DFLASH path's own per-step cost (host work and launches at a small target;
+the verify itself at a large one), with acceptance and the width policy out of the picture.
 
     python benchmarks/bench_batch_steps.py --out DIR                  # random_checkpoints.py's tiny shape, built here
     python benchmarks/bench_batch_steps.py --target T --draft D --out DIR --concurrency 64
 
-Prints a table and writes ``<out>/results.json``.
+Prints a table and writes ``<out>/results.json``; ``--kernel-profile STEPS`` adds each server's GPU time per step
+by kernel category and its top kernels (SGLang's torch profiler over one more pass).
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ from pathlib import Path
 import requests
 import torch
 
-from bench_dflash import SERVER_FLAGS, Server
+from bench_dflash import SERVER_FLAGS, Server, read_kernel_profile, start_kernel_profile
 from random_checkpoints import build
 
-WIDTHS = {"w1": '{"widths": [1]}', "fixed": '{"adaptive": false}'}
+WIDTHS = {"w1": '{"widths": [1]}', "fixed": '{"adaptive": false}', "adaptive": '{}'}
 
 
 def flags(concurrency: int) -> list[str]:
@@ -37,11 +39,12 @@ def flags(concurrency: int) -> list[str]:
     return ["--dtype", "float32", "--sleep-on-idle", "--max-running-requests", str(concurrency)]
 
 
-def load(server: Server, concurrency: int, new_tokens: int) -> float:
-    """Seconds for ``concurrency`` concurrent requests of ``new_tokens`` tokens (distinct 5-token prompts)."""
+def load(server: Server, concurrency: int, new_tokens: int, prompt_len: int = 5) -> float:
+    """Seconds for ``concurrency`` concurrent requests of ``new_tokens`` tokens (distinct prompts of
+    ``prompt_len`` tokens)."""
     def one(i: int) -> int:
         r = requests.post(server.url + "/generate", timeout=1800, json={
-            "input_ids": [10 + i, 20 + i, 30, 40, 50],
+            "input_ids": [10 + i, 20 + i] + [30 + (7 * j) % 1000 for j in range(prompt_len - 2)],
             "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}})
         r.raise_for_status()
         return r.json()["meta_info"]["completion_tokens"]
@@ -61,9 +64,13 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=5, help="tokens per prompt (>= 2): the context each step reads")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--servers", default="nospec,w1,fixed")
     ap.add_argument("--startup-timeout", type=float, default=600)
+    ap.add_argument("--kernel-profile", type=int, default=0, metavar="STEPS",
+                    help="after the timed passes, profile STEPS decode steps of one more pass (SGLang's torch "
+                         "profiler, GPU only) and report each server's GPU time per step and its top kernels")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -80,20 +87,39 @@ def main() -> None:
         try:
             if not server.wait(time.time() + args.startup_timeout):
                 raise SystemExit(f"{name}: {server.error}; see {server.log}")
-            load(server, args.concurrency, args.new_tokens)  # warm-up
-            passes = [load(server, args.concurrency, args.new_tokens) for _ in range(args.repeats)]
+            load(server, args.concurrency, args.new_tokens, args.prompt_len)  # warm-up
+            passes = [load(server, args.concurrency, args.new_tokens, args.prompt_len) for _ in range(args.repeats)]
+            if args.kernel_profile:
+                trace_dir = start_kernel_profile(server, args.kernel_profile, out)
+                load(server, args.concurrency, args.new_tokens, args.prompt_len)
+                profile = read_kernel_profile(trace_dir, args.kernel_profile)
         finally:
             server.stop()
         ms = statistics.median(passes) / args.new_tokens * 1e3
         results["servers"][name] = {"seconds": passes, "ms_per_step": ms}
+        if args.kernel_profile:
+            results["servers"][name]["kernel_profile"] = profile
         print(f"{name}: {ms:.2f} ms per step (passes {', '.join(f'{s:.2f}' for s in passes)} s)", flush=True)
         (out / "results.json").write_text(json.dumps(results, indent=1))
     ref = results["servers"].get("nospec", {}).get("ms_per_step")
-    print(f"\n{args.concurrency} concurrent requests x {args.new_tokens} tokens, {results['device']}")
+    print(f"\n{args.concurrency} concurrent requests x {args.new_tokens} tokens after {args.prompt_len}-token prompts, "
+          f"{results['device']}")
     print("| server | ms per step | vs no-spec |\n|---|---|---|")
     for name, r in results["servers"].items():
         ratio = f"{ref / r['ms_per_step']:.2f}x" if ref else "—"
         print(f"| {name} | {r['ms_per_step']:.2f} | {ratio} |")
+    for name, r in results["servers"].items():
+        prof = r.get("kernel_profile")
+        if prof is None:
+            continue
+        if "error" in prof:
+            print(f"\n{name} kernel profile: {prof['error']}")
+            continue
+        print(f"\n{name} kernel profile ({prof['steps']} steps): GPU busy {prof['busy_us_per_step']:.0f} us of a "
+              f"{prof['span_us_per_step']:.0f} us span per step, {prof['launches_per_step']:.0f} launches; "
+              + ", ".join(f"{c} {v:.0f}" for c, v in prof["categories_us_per_step"].items()))
+        for k in prof["top_kernels"]:
+            print(f"  {k['us_per_step']:7.1f} us  {k['per_step']:5.1f}x  {k['name']}")
 
 
 if __name__ == "__main__":

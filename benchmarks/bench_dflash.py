@@ -310,7 +310,7 @@ HOST_WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchr
               "cudaStreamWaitEvent")
 
 
-def summarize_trace(events: list[dict], steps: int, top: int = 12) -> dict:
+def summarize_trace(events: list[dict], steps: int, top: int = 20) -> dict:
     """Chrome-trace events of ``steps`` decode steps -> GPU time per step: busy (sum of kernel / memcpy / memset
     durations), span (first start to last end), launches, per-category and top-kernel microseconds (all / steps);
     ``host_waits``: calls and microseconds per step of the runtime calls where the host may wait for the device
@@ -350,19 +350,30 @@ def summarize_trace(events: list[dict], steps: int, top: int = 12) -> dict:
 def kernel_profile(server: "Server", prompt_ids: list[int], steps: int, tokens_per_step: int, out: Path,
                    timeout: float = 120) -> dict:
     """Profile ``steps`` decode steps of one request (greedy, ``(steps + 4) * tokens_per_step`` new tokens, EOS
-    ignored) on an otherwise idle ``server`` with SGLang's torch profiler (``/start_profile``, GPU activity only,
-    by stage) and summarize its decode trace (`summarize_trace`)."""
-    import gzip
+    ignored) on an otherwise idle ``server`` (`start_kernel_profile`) and summarize them (`read_kernel_profile`)."""
+    trace_dir = start_kernel_profile(server, steps, out)
+    requests.post(server.url + "/generate", json={"input_ids": prompt_ids, "sampling_params": {
+        "temperature": 0, "max_new_tokens": (steps + 4) * tokens_per_step, "ignore_eos": True}},
+        timeout=600).raise_for_status()
+    return read_kernel_profile(trace_dir, steps, timeout)
 
+
+def start_kernel_profile(server: "Server", steps: int, out: Path) -> Path:
+    """Start SGLang's torch profiler (``/start_profile``: GPU activity only, by stage) on ``server`` for its next
+    ``steps`` decode steps; returns the folder its traces go to."""
     trace_dir = out / f"profile_{server.name}"
     shutil.rmtree(trace_dir, ignore_errors=True)
     r = requests.post(server.url + "/start_profile", json={
         "output_dir": str(trace_dir), "num_steps": steps, "activities": ["GPU"], "profile_by_stage": True,
         "with_stack": False, "record_shapes": False}, timeout=30)
     r.raise_for_status()
-    requests.post(server.url + "/generate", json={"input_ids": prompt_ids, "sampling_params": {
-        "temperature": 0, "max_new_tokens": (steps + 4) * tokens_per_step, "ignore_eos": True}},
-        timeout=600).raise_for_status()
+    return trace_dir
+
+
+def read_kernel_profile(trace_dir: Path, steps: int, timeout: float = 120) -> dict:
+    """`summarize_trace` of the decode trace in ``trace_dir`` once the profiler has written it."""
+    import gzip
+
     deadline = time.time() + timeout
     while time.time() < deadline:
         found = sorted(trace_dir.glob("*DECODE.trace.json.gz")) if trace_dir.exists() else []
