@@ -736,7 +736,7 @@ def test_step_timeline_adds_up_device_and_host_time_once_events_complete(tmp_pat
     assert off.resolved == 0 and not off.pending
 
 
-def test_prepare_for_decode_tops_up_to_two_blocks_when_less_than_one_is_left(monkeypatch):
+def test_prepare_for_decode_reserves_two_blocks_past_the_committed_length(monkeypatch):
     from sglang_dflash.adapter import spec_inputs
 
     handed = []
@@ -748,9 +748,8 @@ def test_prepare_for_decode_tops_up_to_two_blocks_when_less_than_one_is_left(mon
 
     monkeypatch.setattr(spec_inputs, "alloc_token_slots", alloc)
     B = 4
-    # (req_pool_idx, committed, allocated), B = 4: 1 slot left -> 7 more; 17 left, and exactly one block left ->
-    # none; 3 left -> 5 more; near the row's end (32) only the block fits -> 1 more, to the row's end
-    specs = [(2, 5, 6), (0, 3, 20), (4, 9, 13), (1, 9, 12), (3, 28, 31)]
+    # (req_pool_idx, committed, allocated): needs 7, 0 (already 2 blocks ahead) and 3 more slots
+    specs = [(2, 5, 6), (0, 3, 20), (1, 9, 14)]
     from sglang_dflash.adapter import compat
 
     def req(i, c, a):  # a request's KV fields where this SGLang keeps them (`compat.KV_FIELDS_ON_REQ_KV`)
@@ -760,26 +759,17 @@ def test_prepare_for_decode_tops_up_to_two_blocks_when_less_than_one_is_left(mon
 
     reqs = [req(i, c, a)
             for i, c, a in specs]
-    req_to_token = torch.full((5, 32), -1, dtype=torch.int32)
-    batch = SimpleNamespace(reqs=reqs, batch_size=lambda: len(reqs), tree_cache=None,
+    req_to_token = torch.full((3, 32), -1, dtype=torch.int32)
+    batch = SimpleNamespace(reqs=reqs, batch_size=lambda: 3, tree_cache=None,
                             req_to_token_pool=SimpleNamespace(req_to_token=req_to_token))
-    state = spec_inputs.DFlashDraftState(bonus_tokens=torch.zeros(len(reqs), dtype=torch.int64), block_size=B)
+    state = spec_inputs.DFlashDraftState(bonus_tokens=torch.zeros(3, dtype=torch.int64), block_size=B)
     state.prepare_for_decode(batch)
-    assert handed == [13]
-    assert [r.kv.kv_allocated_len for r in reqs] == [13, 20, 13, 17, 32]
+    assert handed == [10]
+    assert [r.kv.kv_allocated_len for r in reqs] == [13, 20, 17]
     assert req_to_token[2, 6:13].tolist() == list(range(100, 107)) and req_to_token[2, 13] == -1
-    assert req_to_token[1, 12:17].tolist() == list(range(107, 112)) and req_to_token[1, 17] == -1
-    assert req_to_token[3, 31] == 112
-    assert (req_to_token[0] == -1).all() and (req_to_token[4] == -1).all() and (req_to_token[2, :6] == -1).all()
-    assert batch.seq_lens_cpu.tolist() == [5, 3, 9, 9, 28] and batch.seq_lens_sum == 54
-    # the next step, one token committed each: only the request left with less than a block tops up
-    for r in reqs:
-        holder = r.kv if compat.KV_FIELDS_ON_REQ_KV else r
-        holder.kv_committed_len += 1
-    state.prepare_for_decode(batch)
-    assert handed == [13, 5] and [r.kv.kv_allocated_len for r in reqs] == [13, 20, 18, 17, 32]
-    assert req_to_token[4, 13:18].tolist() == list(range(113, 118))
-    assert batch.seq_lens_cpu.tolist() == [6, 4, 10, 10, 29]
+    assert req_to_token[1, 14:17].tolist() == list(range(107, 110)) and req_to_token[1, 17] == -1
+    assert (req_to_token[0] == -1).all() and (req_to_token[2, :6] == -1).all()
+    assert batch.seq_lens_cpu.tolist() == [5, 3, 9] and batch.seq_lens_sum == 17
 
 
 def test_instrument_wraps_the_worker_from_outside(tmp_path, monkeypatch):

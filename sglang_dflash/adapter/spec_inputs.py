@@ -49,23 +49,24 @@ class DFlashDraftState(SpecInput):
     def prepare_for_decode(self, batch) -> None:
         """Reserve KV slots so `req_to_token[r, seq_len : seq_len + block_size]` exist.
 
-        A request with less than the step's block reserved past its committed length is topped up to two blocks
-        (so a step never allocates inside the forward, and a request allocates about once every block's worth of
-        committed tokens, not every step), capped at its `req_to_token` row: near the context limit only the one
-        block the step needs fits there (SGLang sizes rows to context length + 4 + block_size). Slots a request
-        does not commit stay reserved to it and are released with the request.
+        Each request keeps two blocks of headroom past its committed length (so a step
+        never allocates inside the forward; two, because under SGLang's overlap schedule
+        the committed length seen here lags the running step's by up to a block, and the
+        next block starts after it), capped at its `req_to_token` row: near the
+        context limit only the one block the step needs fits there (SGLang sizes rows to
+        context length + 4 + block_size). Slots a request does not commit stay reserved to
+        it and are released with the request.
         """
         bs = batch.batch_size()
         if bs == 0:
             return
-        B, row_width = self.block_size, batch.req_to_token_pool.req_to_token.shape[1]
+        row_width = batch.req_to_token_pool.req_to_token.shape[1]
         committed = [int(committed_len(r)) for r in batch.reqs]
         allocated = [int(r.kv.kv_allocated_len) for r in batch.reqs]
-        reserved = [a if a >= min(c + B, row_width) else min(c + 2 * B, row_width)
-                    for a, c in zip(allocated, committed)]
-        if reserved != allocated:
-            need = torch.tensor([n - a for n, a in zip(reserved, allocated)])
-            total = int(need.sum())
+        reserved = [max(a, min(c + 2 * self.block_size, row_width)) for a, c in zip(allocated, committed)]
+        need = torch.tensor([n - a for n, a in zip(reserved, allocated)])
+        total = int(need.sum())
+        if total > 0:
             slots = alloc_token_slots(batch.tree_cache, total)
             # rows/cols of req_to_token[req_pool_idx, allocated : reserved] for every request, built on the host
             # from the requests' own indices (no device read) in a few vectorized ops
@@ -75,8 +76,8 @@ class DFlashDraftState(SpecInput):
             req_to_token = batch.req_to_token_pool.req_to_token
             index = host_to_device(torch.stack([rows, cols]), req_to_token.device)
             req_to_token[index[0], index[1]] = slots.to(req_to_token.dtype)
-            for req, n in zip(batch.reqs, reserved):
-                req.kv.kv_allocated_len = n
+        for req, n in zip(batch.reqs, reserved):
+            req.kv.kv_allocated_len = n
         batch.seq_lens_cpu = torch.tensor(committed, dtype=torch.int64)
         batch.seq_lens_sum = sum(committed)
 
