@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
+import numpy as np
 import torch
 
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
@@ -61,25 +62,25 @@ class DFlashDraftState(SpecInput):
         if bs == 0:
             return
         row_width = batch.req_to_token_pool.req_to_token.shape[1]
-        committed = [int(committed_len(r)) for r in batch.reqs]
-        allocated = [int(r.kv.kv_allocated_len) for r in batch.reqs]
-        reserved = [max(a, min(c + 2 * self.block_size, row_width)) for a, c in zip(allocated, committed)]
-        need = torch.tensor([n - a for n, a in zip(reserved, allocated)])
+        # numpy on the host: this runs every step, and numpy's small-array ops cost a fraction of torch's
+        committed = np.fromiter((committed_len(r) for r in batch.reqs), dtype=np.int64, count=bs)
+        allocated = np.fromiter((r.kv.kv_allocated_len for r in batch.reqs), dtype=np.int64, count=bs)
+        reserved = np.maximum(allocated, np.minimum(committed + 2 * self.block_size, row_width))
+        need = reserved - allocated
         total = int(need.sum())
         if total > 0:
             slots = alloc_token_slots(batch.tree_cache, total)
             # rows/cols of req_to_token[req_pool_idx, allocated : reserved] for every request, built on the host
-            # from the requests' own indices (no device read) in a few vectorized ops
-            rows = torch.repeat_interleave(torch.tensor([req_pool_idx(r) for r in batch.reqs]), need)
-            first = torch.repeat_interleave(torch.cumsum(need, 0) - need, need)
-            cols = torch.repeat_interleave(torch.tensor(allocated), need) + torch.arange(total) - first
+            # from the requests' own indices (no device read)
+            rows = np.repeat(np.fromiter((req_pool_idx(r) for r in batch.reqs), dtype=np.int64, count=bs), need)
+            cols = np.arange(total) + np.repeat(allocated - (np.cumsum(need) - need), need)
             req_to_token = batch.req_to_token_pool.req_to_token
-            index = host_to_device(torch.stack([rows, cols]), req_to_token.device)
+            index = host_to_device(torch.from_numpy(np.stack([rows, cols])), req_to_token.device)
             req_to_token[index[0], index[1]] = slots.to(req_to_token.dtype)
-        for req, n in zip(batch.reqs, reserved):
-            req.kv.kv_allocated_len = n
-        batch.seq_lens_cpu = torch.tensor(committed, dtype=torch.int64)
-        batch.seq_lens_sum = sum(committed)
+            for req, n in zip(batch.reqs, reserved.tolist()):
+                req.kv.kv_allocated_len = n
+        batch.seq_lens_cpu = torch.from_numpy(committed)
+        batch.seq_lens_sum = int(committed.sum())
 
     def filter_batch(self, new_indices: torch.Tensor, new_indices_cpu: Optional[List[int]] = None):
         if self.future_indices is not None:  # the bonus tokens are resolved from these rows
