@@ -3,6 +3,7 @@ and the carried draft state (filter/merge). The served behaviour is in test_serv
 
 from __future__ import annotations
 
+import collections
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -854,7 +855,7 @@ def test_step_widths_cost_a_step_by_its_device_time_or_the_host_interval_to_the_
     sw.finish(torch.tensor([0, 0]))
     sw.interrupt()
     clock[0] = 0.100
-    sw.choose(3)
+    w3 = sw.choose(3)
     assert seen[1] == (2, w2, [0, 0], 0.007)  # the prefill's time is not the step's
 
     # overlap schedule: the host launches step N, then waits for step N-1: the interval from choice N to N+1 is N-1's
@@ -875,6 +876,14 @@ def test_step_widths_cost_a_step_by_its_device_time_or_the_host_interval_to_the_
     assert pinned.fixed and pinned.choose(5) == 8 and pinned.possible_widths() == [8]
     capped = widths_mod.StepWidths(AdaptiveConfig.parse('{"widths": [16], "max_batch_size": 8}', 16), 16, "cpu")
     assert not capped.fixed and capped.possible_widths() == [1, 16] and capped.choose(9) == 1
+
+    # what /get_server_info reports: candidates and decode steps per width since start-up (not reset by the log)
+    assert sw.report() == {"widths": [1, 4], "adaptive": True, "max_batch_size": None,
+                           "steps_per_width": {str(w): n for w, n in sorted(collections.Counter([w1, w2, w3]).items())}}
+    assert pinned.report() == {"widths": [8], "adaptive": False, "max_batch_size": None, "steps_per_width": {"8": 1}}
+    assert capped.report()["steps_per_width"] == {"1": 1} and capped.report()["max_batch_size"] == 8
+    sw._log()
+    assert sum(sw.report()["steps_per_width"].values()) == 3 and not sw.counts
 
 
 def _hybrid_args(strategy: str, sglang_choice: str, **overrides):

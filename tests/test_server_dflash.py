@@ -281,7 +281,7 @@ def _check_kind(kind: str, cases: list[Case], results) -> list[tuple[Case, dict,
 # ----------------------------------------------------------------------------------------------- 1. greedy
 
 
-def test_server_info(nospec, dflash, drafter):
+def test_server_info(nospec, dflash, drafter, servers):
     info = dflash.get_server_info()
     assert info["speculative_algorithm"] == "DFLASH"
     assert info["speculative_draft_model_path"] == str(drafter[0])
@@ -292,6 +292,19 @@ def test_server_info(nospec, dflash, drafter):
     assert info["speculative_dflash_block_size"] == info["speculative_num_draft_tokens"] == block
     assert nospec.get_server_info()["speculative_algorithm"] is None
     assert "DFLASH served by sglang-dflash" in dflash.log_text()
+    # the verify widths (this server pins the whole block, `FIXED_WIDTH`), and decode steps per width since start-up
+    widths = info["internal_states"][0]["dflash_verify_widths"]
+    assert widths["widths"] == [block] and widths["adaptive"] is False and widths["max_batch_size"] is None
+    assert set(widths["steps_per_width"]) <= {str(block)}
+    before = sum(widths["steps_per_width"].values())
+    dflash.generate([1, 2, 3, 4], {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+    after = dflash.get_server_info()["internal_states"][0]["dflash_verify_widths"]["steps_per_width"]
+    # six tokens: the prefill's first, then 1-5 steps (one more under the overlap schedule, launched before the
+    # finish is seen)
+    assert 1 <= sum(after.values()) - before <= 6
+    assert "dflash_verify_widths" not in nospec.get_server_info()["internal_states"][0]
+    mixed = servers["dflash_stress"].get_server_info()["internal_states"][0]["dflash_verify_widths"]
+    assert mixed["widths"] == [1, 2, 3, 5, 8, 16] and mixed["adaptive"] is True
 
 
 def test_greedy_matches_nospec(greedy_cases, greedy_results, dflash):

@@ -37,6 +37,7 @@ EXPECTED_SIGNATURES = {
         "self", "batch", "forward_batch", "pp_proxy_tensors", "is_verify", "skip_attn_backend_init",
         "capture_hidden_mode"],
     "sglang.srt.managers.scheduler.Scheduler.is_disable_overlap_for_batch": ["self", "batch", "last_batch"],
+    "sglang.srt.managers.scheduler.Scheduler.get_internal_state": ["self", "recv_req"],
     "sglang.srt.session.session_controller.Session._concat_token_arrays": ["last_req", "req", "session_params"],
     "sglang.srt.session.streaming_session.StreamingSession._trim_overshoot": ["self", "req", "finished_len"],
     "sglang.srt.session.streaming_session.StreamingSession._free_kv_aligned": compat.FREE_KV_ALIGNED_PARAMS,
@@ -125,6 +126,9 @@ def install() -> bool:
         "sglang.srt.managers.scheduler.Scheduler.is_disable_overlap_for_batch", _sync_for_history, HookType.AROUND
     )
     HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.get_internal_state", _report_verify_widths, HookType.AROUND
+    )
+    HookRegistry.register(
         "sglang.srt.session.session_controller.Session._concat_token_arrays", _session_history_through_stop,
         HookType.AROUND,
     )
@@ -208,6 +212,15 @@ def _sync_for_history(original, scheduler, batch, last_batch):
     from sglang_dflash.adapter.sampling import reads_output_history
 
     return reads_output_history(batch)
+
+
+def _report_verify_widths(original, scheduler, recv_req):
+    """``/get_server_info``'s ``internal_states`` of a DFLASH server served here carry ``dflash_verify_widths``
+    (`widths.StepWidths.report`: the candidate widths and decode steps per width)."""
+    out = original(scheduler, recv_req)
+    if _serving_dflash():
+        out.internal_state["dflash_verify_widths"] = scheduler.draft_worker.widths.report()
+    return out
 
 
 def _session_history_through_stop(original, last_req, req, session_params):

@@ -10,7 +10,7 @@ then waits for step N-1's result, so that interval is step N-1's (``lag`` 1). A 
 the host interval at the next choice, and on CUDA the accept lengths through a non-blocking copy read when the end
 event has completed (`torch.cuda.Event.query`), so the overlap schedule keeps the host ahead. Under tensor
 parallelism every rank takes the first rank's width (one host broadcast per step), since measured durations
-differ between ranks. A pinned width (one candidate, no batch ceiling) costs nothing per step.
+differ between ranks. A pinned width (one candidate, no batch ceiling) costs a step count only.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class _Step:
 
 class StepWidths:
     """``choose(bs)`` before a step, ``finish(accept_lens)`` after it, ``interrupt()`` when a prefill runs between
-    steps; ``counts``: steps per width since the last log line."""
+    steps; ``counts``: steps per width since the last log line, ``totals`` since start-up (`report`)."""
 
     def __init__(self, cfg: AdaptiveConfig, block_size: int, device, tp_group=None, overlap: bool = False):
         self.lag = 1 if overlap else 0
@@ -57,7 +57,15 @@ class StepWidths:
         self.current: tuple[object, int] | None = None  # the chosen step's (device timing start, width)
         self.interval_void = False  # a prefill ran since the last choice
         self.counts: collections.Counter = collections.Counter()
+        self.totals: collections.Counter = collections.Counter()
         self.last_log = time.monotonic()
+
+    def report(self) -> dict:
+        """What ``/get_server_info`` shows: the candidate widths, whether they are chosen per step, the batch-size
+        ceiling, and decode steps per width since start-up."""
+        return {"widths": list(self.policy.widths), "adaptive": not self.fixed,
+                "max_batch_size": self.policy.max_batch_size,
+                "steps_per_width": {str(w): n for w, n in sorted(self.totals.items())}}
 
     def possible_widths(self) -> list[int]:
         """Every width `choose` can return (the candidates, and 1 above a batch-size ceiling)."""
@@ -66,6 +74,7 @@ class StepWidths:
     def choose(self, bs: int) -> int:
         """The verify width of the next step, of ``bs`` requests."""
         if self.fixed:
+            self.totals[self.policy.widths[0]] += 1
             return self.policy.widths[0]
         now = time.perf_counter()
         if self.chosen_at is not None:
@@ -81,6 +90,7 @@ class StepWidths:
         if self.tp_group is not None:
             width = self.tp_group.broadcast_object(width, src=0)
         self.counts[width] += 1
+        self.totals[width] += 1
         if time.monotonic() - self.last_log >= LOG_EVERY_S:
             self._log()
         start = now
