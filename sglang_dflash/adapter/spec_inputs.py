@@ -63,8 +63,8 @@ class DFlashDraftState(SpecInput):
             return
         row_width = batch.req_to_token_pool.req_to_token.shape[1]
         # numpy on the host: this runs every step, and numpy's small-array ops cost a fraction of torch's
-        committed = np.fromiter((committed_len(r) for r in batch.reqs), dtype=np.int64, count=bs)
-        allocated = np.fromiter((r.kv.kv_allocated_len for r in batch.reqs), dtype=np.int64, count=bs)
+        committed = np.fromiter((int(committed_len(r)) for r in batch.reqs), dtype=np.int64, count=bs)
+        allocated = np.fromiter((int(r.kv.kv_allocated_len) for r in batch.reqs), dtype=np.int64, count=bs)
         reserved = np.maximum(allocated, np.minimum(committed + 2 * self.block_size, row_width))
         need = reserved - allocated
         total = int(need.sum())
