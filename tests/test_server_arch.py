@@ -90,8 +90,10 @@ FAMILIES = {
                          {"num_experts": 4}),
     # the seeds leave every greedy choice of the reference a top-1 margin of > 4e-3 (float32 rounding ~1e-5 here)
     "gemma4": Family(make_tiny_gemma4, 2, PROMPTS, 20, SWA_ARGS, draft_fields={"rope_scaling": None, "head_dim": 16}),
+    # its draft reads the target's layers out of order and one twice, as z-lab's default choice does on small
+    # targets (`SGLangDFlashDraft.read_captured_layers`)
     "deepseek_v2": Family(make_tiny_deepseek_v2, 1, PROMPTS, 20, [],
-                          draft_fields={"rope_scaling": None, "head_dim": 16}),
+                          draft_fields={"rope_scaling": None, "head_dim": 16, "target_layer_ids": [1, 0, 1]}),
 }
 # server name -> (family, extra environment)
 SERVERS = {

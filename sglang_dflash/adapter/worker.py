@@ -54,8 +54,7 @@ class DFlashWorker(BaseSpecWorker):
                                                       args.speculative_draft_model_revision)
         self.dcfg.validate_target(self.target_runner.model_config.hf_config)
         target = self.target_runner.model
-        captured = capture_target_layers(target, list(self.dcfg.target_layer_ids),
-                                         self.target_runner.model_config.hf_text_config.num_hidden_layers)
+        hybrid.add_dflash_capture(target)  # before the target runner sets SGLang's capture (`init_attention_backends`)
         self.embed = target.get_input_embeddings()
         # under tensor parallelism: this rank's vocabulary shard (`tp`); every rank's accept is rank 0's
         self.lm_head_weight, self.vocab_start, vocab_split = lm_head_shard(target.lm_head)
@@ -67,7 +66,6 @@ class DFlashWorker(BaseSpecWorker):
         self._draft_worker = self._build_draft_worker(server_args, gpu_id, ps, nccl_port)
         self.draft_runner = self._draft_worker.model_runner
         self.draft_model: SGLangDFlashDraft = self.draft_runner.model
-        self.draft_model.read_captured_layers(captured)
         if self.draft_model.get_attention_sliding_window_size() is not None and self.backend != "torch_native":
             logger.info("sglang-dflash: sliding-window draft layers run on SGLang's sliding-window attention, which "
                         "trims each request's keys to its window plus the block: at contexts longer than the window "
@@ -116,7 +114,11 @@ class DFlashWorker(BaseSpecWorker):
     def init_attention_backends(self):
         """The draft runner's attention backends (the target's are made by its own worker first); on torch_native
         both runners' extends then go to `cpu_attention.DFlashCPUAttnBackend` (new tokens only, the draft's layers
-        as z-lab defines them)."""
+        as z-lab defines them). The target's layer capture is set here, after the target runner set SGLang's (the
+        draft's target_layer_ids as given, which repeated ids break) and before any graph is captured."""
+        captured = capture_target_layers(self.target_runner.model, list(self.dcfg.target_layer_ids),
+                                         self.target_runner.model_config.hf_text_config.num_hidden_layers)
+        self.draft_model.read_captured_layers(captured)
         super().init_attention_backends()
         if self.backend == "torch_native":
             for runner in (self.target_runner, self.draft_runner):
