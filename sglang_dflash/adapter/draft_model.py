@@ -38,6 +38,7 @@ from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.runtime_context import get_parallel
 
+from sglang_dflash.adapter import hybrid
 from sglang_dflash.adapter.tp import DraftShard
 from sglang_dflash.config import DFlashDraftConfig
 from sglang_dflash.kernels.draft_layers import norm_rope, rms_norm, silu_mul
@@ -211,8 +212,8 @@ def _fused(*linears: nn.Linear) -> torch.Tensor:
 def capture_target_layers(target, layer_ids: list[int], num_layers: int) -> list[int]:
     """Make the ``target`` model (``num_layers`` layers) return with its logits the hidden states after its layers
     ``layer_ids``, which the draft reads (`SGLangDFlashDraft.write_context_kv`'s ``aux_hidden``). SGLang's models
-    return them in layer order, each layer once: returns that order (`SGLangDFlashDraft.read_captured_layers`).
-    Hybrid targets first need `hybrid.add_dflash_capture`."""
+    return them in layer order, each layer once: returns that order (`SGLangDFlashDraft.read_captured_layers`)."""
+    hybrid.add_dflash_capture(target)
     if not hasattr(target, "set_dflash_layers_to_capture"):
         raise ValueError(
             f"sglang-dflash: target architecture {type(target).__name__} cannot expose the hidden "

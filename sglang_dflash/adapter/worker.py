@@ -54,7 +54,9 @@ class DFlashWorker(BaseSpecWorker):
                                                       args.speculative_draft_model_revision)
         self.dcfg.validate_target(self.target_runner.model_config.hf_config)
         target = self.target_runner.model
-        hybrid.add_dflash_capture(target)  # before the target runner sets SGLang's capture (`init_attention_backends`)
+        # the capture's checks here, at start-up; set again in `init_attention_backends`, after SGLang's own
+        capture_target_layers(target, list(self.dcfg.target_layer_ids),
+                              self.target_runner.model_config.hf_text_config.num_hidden_layers)
         self.embed = target.get_input_embeddings()
         # under tensor parallelism: this rank's vocabulary shard (`tp`); every rank's accept is rank 0's
         self.lm_head_weight, self.vocab_start, vocab_split = lm_head_shard(target.lm_head)
