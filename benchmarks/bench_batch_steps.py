@@ -27,7 +27,7 @@ from pathlib import Path
 import requests
 import torch
 
-from bench_dflash import SERVER_FLAGS, Server, read_kernel_profile, start_kernel_profile
+from bench_dflash import SERVER_FLAGS, Server, describe_kernel_profile, read_kernel_profile, start_kernel_profile
 from random_checkpoints import build
 
 WIDTHS = {"w1": '{"widths": [1]}', "fixed": '{"adaptive": false}', "adaptive": '{}'}
@@ -112,13 +112,8 @@ def main() -> None:
         prof = r.get("kernel_profile")
         if prof is None:
             continue
-        if "error" in prof:
-            print(f"\n{name} kernel profile: {prof['error']}")
-            continue
-        print(f"\n{name} kernel profile ({prof['steps']} steps): GPU busy {prof['busy_us_per_step']:.0f} us of a "
-              f"{prof['span_us_per_step']:.0f} us span per step, {prof['launches_per_step']:.0f} launches; "
-              + ", ".join(f"{c} {v:.0f}" for c, v in prof["categories_us_per_step"].items()))
-        for k in prof["top_kernels"]:
+        print("\n" + describe_kernel_profile(name, prof))
+        for k in prof.get("top_kernels", []):
             print(f"  {k['us_per_step']:7.1f} us  {k['per_step']:5.1f}x  {k['name']}")
 
 

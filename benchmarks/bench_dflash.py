@@ -370,6 +370,18 @@ def start_kernel_profile(server: "Server", steps: int, out: Path) -> Path:
     return trace_dir
 
 
+def describe_kernel_profile(name: str, prof: dict) -> str:
+    """One line of a `summarize_trace` result (or its error) of server ``name``."""
+    if "error" in prof:
+        return f"kernel profile {name}: {prof['error']}"
+    cats = ", ".join(f"{c} {v:.0f}" for c, v in prof["categories_us_per_step"].items())
+    waits = ", ".join(f"{k} {v['per_step']:.1f}x {v['us_per_step']:.0f} us"
+                      for k, v in prof.get("host_waits", {}).items()) or "none"
+    return (f"kernel profile {name} ({prof['steps']} decode steps): GPU busy {prof['busy_us_per_step']:.0f} us "
+            f"of a {prof['span_us_per_step']:.0f} us span per step, {prof['launches_per_step']:.0f} launches; "
+            f"us per step: {cats}; host waits per step: {waits}")
+
+
 def read_kernel_profile(trace_dir: Path, steps: int, timeout: float = 120) -> dict:
     """`summarize_trace` of the decode trace in ``trace_dir`` once the profiler has written it."""
     import gzip
@@ -627,15 +639,7 @@ def print_table(results) -> None:
         print(f"\nsglang-dflash timeline, {w} (all cells of the server; mean ms, count):",
               json.dumps({k: (round(v["mean_ms"], 3), v["count"]) for k, v in tl["timeline"].items()}))
     for name, prof in results.get("kernel_profile", {}).items():
-        if "error" in prof:
-            print(f"\nkernel profile {name}: {prof['error']}")
-            continue
-        cats = ", ".join(f"{c} {v:.0f}" for c, v in prof["categories_us_per_step"].items())
-        waits = ", ".join(f"{k} {v['per_step']:.1f}x {v['us_per_step']:.0f} us"
-                          for k, v in prof.get("host_waits", {}).items()) or "none"
-        print(f"\nkernel profile {name} ({prof['steps']} decode steps): GPU busy {prof['busy_us_per_step']:.0f} us "
-              f"of a {prof['span_us_per_step']:.0f} us span per step, {prof['launches_per_step']:.0f} launches; "
-              f"us per step: {cats}; host waits per step: {waits}")
+        print("\n" + describe_kernel_profile(name, prof))
     print("identity at T=0 (exact / up to bf16 near-ties):",
           {w: (v["identical"], v["identical_up_to_near_ties"]) for w, v in results["identity"].items()})
     for w, v in results["identity"].items():
