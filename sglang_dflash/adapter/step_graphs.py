@@ -56,9 +56,8 @@ def capture(m: StepModels, runners: Sequence, backend: str, hybrid: bool, widths
     FlashInfer its device plan was checked against. None (the step runs eagerly, logged) otherwise."""
     if not str(device).startswith("cuda") or any(r.decode_cuda_graph_runner is None for r in runners):
         return None
-    if backend != "flashinfer" or not all(full_attention_backend(r.attn_backend).num_wrappers == 1
-                                          and full_attention_backend(r.attn_backend).prefill_backend == "fa2"
-                                          for r in runners):
+    paged = [full_attention_backend(r.attn_backend) for r in runners]
+    if backend != "flashinfer" or not all(b.num_wrappers == 1 and b.prefill_backend == "fa2" for b in paged):
         reason = "its CUDA graph needs FlashInfer's fa2 prefill with one wrapper per model"
     elif compat.VERIFY_ARGS_KEYWORD_PLAN:
         reason = "host attention plan: the graph's device-side layout reads req_to_token, not SGLang's KV-location plan"
