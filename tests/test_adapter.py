@@ -737,8 +737,12 @@ def test_step_timeline_adds_up_device_and_host_time_once_events_complete(tmp_pat
     assert off.resolved == 0 and not off.pending
 
 
-def test_prepare_for_decode_reserves_two_blocks_past_the_committed_length(monkeypatch):
-    from sglang_dflash.adapter import spec_inputs
+@pytest.mark.parametrize("free", [1000, 10])
+def test_prepare_for_decode_reserves_blocks_past_the_committed_length(monkeypatch, free):
+    """A request below two blocks of headroom triggers a reservation; with the slots free every request below three
+    blocks is topped up to three (so the next reservations are steps away), with too few free only the two blocks
+    SGLang's memory check counted on; nobody below two blocks: no allocation at all."""
+    from sglang_dflash.adapter import compat, spec_inputs
 
     handed = []
 
@@ -749,28 +753,39 @@ def test_prepare_for_decode_reserves_two_blocks_past_the_committed_length(monkey
 
     monkeypatch.setattr(spec_inputs, "alloc_token_slots", alloc)
     B = 4
-    # (req_pool_idx, committed, allocated): needs 7, 0 (already 2 blocks ahead) and 3 more slots
-    specs = [(2, 5, 6), (0, 3, 20), (1, 9, 14)]
-    from sglang_dflash.adapter import compat
 
     def req(i, c, a):  # a request's KV fields where this SGLang keeps them (`compat.KV_FIELDS_ON_REQ_KV`)
         if compat.KV_FIELDS_ON_REQ_KV:
             return SimpleNamespace(kv=SimpleNamespace(req_pool_idx=i, kv_committed_len=c, kv_allocated_len=a))
         return SimpleNamespace(req_pool_idx=i, kv_committed_len=c, kv=SimpleNamespace(kv_allocated_len=a))
 
-    reqs = [req(i, c, a)
-            for i, c, a in specs]
-    req_to_token = torch.full((3, 32), -1, dtype=torch.int32)
-    batch = SimpleNamespace(reqs=reqs, batch_size=lambda: 3, tree_cache=None,
-                            req_to_token_pool=SimpleNamespace(req_to_token=req_to_token))
+    def batch_of(specs):
+        reqs = [req(i, c, a) for i, c, a in specs]
+        return SimpleNamespace(reqs=reqs, batch_size=lambda: len(reqs), tree_cache=None,
+                               req_to_token_pool=SimpleNamespace(req_to_token=torch.full((3, 32), -1, dtype=torch.int32)),
+                               token_to_kv_pool_allocator=SimpleNamespace(available_size=lambda: free))
+
     state = spec_inputs.DFlashDraftState(bonus_tokens=torch.zeros(3, dtype=torch.int64), block_size=B)
+    # (req_pool_idx, committed, allocated): two blocks ahead = 13 / 11 / 17; three = 17 / 15 / 21
+    batch = batch_of([(2, 5, 6), (0, 3, 20), (1, 9, 14)])
     state.prepare_for_decode(batch)
-    assert handed == [10]
-    assert [r.kv.kv_allocated_len for r in reqs] == [13, 20, 17]
-    assert req_to_token[2, 6:13].tolist() == list(range(100, 107)) and req_to_token[2, 13] == -1
-    assert req_to_token[1, 14:17].tolist() == list(range(107, 110)) and req_to_token[1, 17] == -1
-    assert (req_to_token[0] == -1).all() and (req_to_token[2, :6] == -1).all()
+    r2t = batch.req_to_token_pool.req_to_token
+    new_len = [17, 20, 21] if free == 1000 else [13, 20, 17]
+    assert handed == [new_len[0] - 6 + new_len[2] - 14]
+    assert [r.kv.kv_allocated_len for r in batch.reqs] == new_len
+    assert r2t[2, 6 : new_len[0]].tolist() == list(range(100, 100 + new_len[0] - 6)) and r2t[2, new_len[0]] == -1
+    first = 100 + new_len[0] - 6
+    assert r2t[1, 14 : new_len[2]].tolist() == list(range(first, first + new_len[2] - 14))
+    assert r2t[1, new_len[2]] == -1
+    assert (r2t[0] == -1).all() and (r2t[2, :6] == -1).all()
     assert batch.seq_lens_cpu.tolist() == [5, 3, 9] and batch.seq_lens_sum == 17
+
+    # every request at least two blocks ahead (one below three): nothing allocated, nothing written
+    handed.clear()
+    batch = batch_of([(2, 5, 13), (0, 3, 20)])
+    state.prepare_for_decode(batch)
+    assert handed == [] and [r.kv.kv_allocated_len for r in batch.reqs] == [13, 20]
+    assert (batch.req_to_token_pool.req_to_token == -1).all()
 
 
 def test_instrument_wraps_the_worker_from_outside(tmp_path, monkeypatch):

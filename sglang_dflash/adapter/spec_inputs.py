@@ -55,8 +55,12 @@ class DFlashDraftState(SpecInput):
         the committed length seen here lags the running step's by up to a block, and the
         next block starts after it), capped at its `req_to_token` row: near the
         context limit only the one block the step needs fits there (SGLang sizes rows to
-        context length + 4 + block_size). Slots a request does not commit stay reserved to
-        it and are released with the request.
+        context length + 4 + block_size). When a request falls below that, every request
+        below three blocks is topped up to three in the same allocation, if the pool has
+        the slots free (else only the two SGLang's `check_decode_mem` counted on): the
+        reservation then runs once every few steps, not every step, and its host work
+        (allocation, index copy, `req_to_token` write) with it. Slots a request does not
+        commit stay reserved to it and are released with the request.
         """
         bs = batch.batch_size()
         if bs == 0:
@@ -69,6 +73,11 @@ class DFlashDraftState(SpecInput):
         need = reserved - allocated
         total = int(need.sum())
         if total > 0:
+            ahead = np.maximum(allocated, np.minimum(committed + 3 * self.block_size, row_width))
+            if int((ahead - allocated).sum()) <= batch.token_to_kv_pool_allocator.available_size():
+                reserved = ahead
+                need = reserved - allocated
+                total = int(need.sum())
             slots = alloc_token_slots(batch.tree_cache, total)
             # rows/cols of req_to_token[req_pool_idx, allocated : reserved] for every request, built on the host
             # from the requests' own indices (no device read)

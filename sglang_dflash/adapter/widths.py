@@ -26,6 +26,7 @@ from sglang_dflash.policy import AdaptiveConfig, WidthPolicy
 
 logger = logging.getLogger(__name__)
 LOG_EVERY_S = 60.0
+MAX_HOST_BUFFERS = 64
 
 
 @dataclass
@@ -59,6 +60,7 @@ class StepWidths:
         self.counts: collections.Counter = collections.Counter()
         self.totals: collections.Counter = collections.Counter()
         self.last_log = time.monotonic()
+        self.host_buffers: list[torch.Tensor] = []  # pinned accept-length copies of drained steps, for reuse
 
     def report(self) -> dict:
         """What ``/get_server_info`` shows: the candidate widths, whether they are chosen per step, the batch-size
@@ -107,7 +109,7 @@ class StepWidths:
         (start, width), bs = self.current, accept_lens.shape[0]
         if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
-            lens = torch.empty(accept_lens.shape, dtype=accept_lens.dtype, pin_memory=True)
+            lens = self._host_buffer(accept_lens)
             lens.copy_(accept_lens, non_blocking=True)
             end.record()
         else:
@@ -125,9 +127,19 @@ class StepWidths:
             s = self.pending.popleft()
             if self.cuda:
                 device_s, lens = s.start.elapsed_time(s.end) / 1e3, s.lens.tolist()
+                if len(self.host_buffers) < MAX_HOST_BUFFERS:
+                    self.host_buffers.append(s.lens)
             else:
                 device_s, lens = s.end - s.start, s.lens
             self.policy.observe(s.bs, s.width, lens, max(device_s, s.host_s))
+
+    def _host_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """A pinned host tensor shaped like ``like``: a drained step's when one fits (pinning a new one each step
+        costs the host more than the step's other bookkeeping)."""
+        for i, buf in enumerate(self.host_buffers):
+            if buf.shape == like.shape and buf.dtype == like.dtype:
+                return self.host_buffers.pop(i)
+        return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
 
     def _log(self) -> None:
         now = time.monotonic()
