@@ -12,14 +12,22 @@ the verify itself at a large one), with acceptance and the width policy out of t
     python benchmarks/bench_batch_steps.py --target T --draft D --out DIR --concurrency 64
 
 Prints a table and writes ``<out>/results.json``; ``--kernel-profile STEPS`` adds each server's GPU time per step
-by kernel category and its top kernels (SGLang's torch profiler over one more pass).
+by kernel category and its top kernels (SGLang's torch profiler over one more pass); ``--host-profile SECONDS``
+samples the scheduler process's Python stacks with py-spy for that long under the same load, idle waits included
+(collapsed stacks in ``<out>/host_<server>.txt``), and prints the functions whose share of the samples differs
+most from no-spec's.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import re
+import shutil
 import statistics
+import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -57,6 +65,53 @@ def load(server: Server, concurrency: int, new_tokens: int, prompt_len: int = 5)
     return time.perf_counter() - t0
 
 
+def scheduler_pid(server: Server) -> int:
+    """The pid of ``server``'s scheduler process (SGLang names it ``sglang::scheduler``)."""
+    import psutil
+
+    for child in psutil.Process(server.proc.pid).children(recursive=True):
+        if "scheduler" in " ".join(child.cmdline()) or "scheduler" in child.name():
+            return child.pid
+    raise SystemExit(f"{server.name}: no scheduler process under pid {server.proc.pid}")
+
+
+def host_profile(server: Server, seconds: float, out: Path, load_once) -> Path:
+    """py-spy's collapsed stacks of ``server``'s scheduler over ``seconds`` while ``load_once()`` runs back to back."""
+    py_spy = shutil.which("py-spy")
+    if py_spy is None:
+        raise SystemExit("--host-profile needs py-spy on PATH (pip install py-spy)")
+    path = out / f"host_{server.name}.txt"
+    spy = subprocess.Popen([py_spy, "record", "-p", str(scheduler_pid(server)), "-d", str(int(seconds)), "-r", "500",
+                            "-f", "raw", "-o", str(path), "--nonblocking", "--idle"], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.STDOUT)
+    stop = threading.Event()
+
+    def keep_loaded():
+        while not stop.is_set():
+            load_once()
+
+    loader = threading.Thread(target=keep_loaded)
+    loader.start()
+    spy.wait()
+    stop.set()
+    loader.join()
+    return path
+
+
+def inclusive_shares(path: Path) -> dict[str, float]:
+    """Share of the scheduler loop's samples in each function (inclusive: a frame counts once per sample) of a
+    py-spy raw file (the scheduler's event-loop thread only: its other threads mostly sleep)."""
+    counts, total = collections.Counter(), 0
+    for line in path.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not n.isdigit() or "Scheduler.event_loop" not in stack:
+            continue
+        total += int(n)
+        for frame in {re.sub(r" \((?:[^()]*/)?([^/()]+/)?([^/()]+):\d+\)$", r" (\1\2)", f) for f in stack.split(";")}:
+            counts[frame] += int(n)
+    return {k: v / max(total, 1) for k, v in counts.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default=None, help="default: a random tiny target built under --out")
@@ -71,6 +126,9 @@ def main() -> None:
     ap.add_argument("--kernel-profile", type=int, default=0, metavar="STEPS",
                     help="after the timed passes, profile STEPS decode steps of one more pass (SGLang's torch "
                          "profiler, GPU only) and report each server's GPU time per step and its top kernels")
+    ap.add_argument("--host-profile", type=float, default=0, metavar="SECONDS",
+                    help="after the timed passes, sample the scheduler's Python stacks with py-spy for SECONDS under "
+                         "the same load and compare each server's functions with no-spec's")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -93,6 +151,9 @@ def main() -> None:
                 trace_dir = start_kernel_profile(server, args.kernel_profile, out)
                 load(server, args.concurrency, args.new_tokens, args.prompt_len)
                 profile = read_kernel_profile(trace_dir, args.kernel_profile)
+            if args.host_profile:
+                host_profile(server, args.host_profile, out,
+                             lambda: load(server, args.concurrency, args.new_tokens, args.prompt_len))
         finally:
             server.stop()
         ms = statistics.median(passes) / args.new_tokens * 1e3
@@ -115,6 +176,17 @@ def main() -> None:
         print("\n" + describe_kernel_profile(name, prof))
         for k in prof.get("top_kernels", []):
             print(f"  {k['us_per_step']:7.1f} us  {k['per_step']:5.1f}x  {k['name']}")
+    if args.host_profile and "nospec" in results["servers"]:
+        ref_shares = inclusive_shares(out / "host_nospec.txt")
+        for name in results["servers"]:
+            if name == "nospec":
+                continue
+            shares = inclusive_shares(out / f"host_{name}.txt")
+            print(f"\nhost profile, scheduler process: % of samples in each function, no-spec vs {name} "
+                  f"(largest differences)")
+            keys = sorted(set(shares) | set(ref_shares), key=lambda k: -abs(shares.get(k, 0) - ref_shares.get(k, 0)))
+            for k in keys[:40]:
+                print(f"  {100 * ref_shares.get(k, 0):5.1f} {100 * shares.get(k, 0):5.1f}  {k[:160]}")
 
 
 if __name__ == "__main__":
