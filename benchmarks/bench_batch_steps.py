@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import re
 import shutil
@@ -47,13 +48,13 @@ def flags(concurrency: int) -> list[str]:
     return ["--dtype", "float32", "--sleep-on-idle", "--max-running-requests", str(concurrency)]
 
 
-def load(server: Server, concurrency: int, new_tokens: int, prompt_len: int = 5) -> float:
+def load(server: Server, concurrency: int, new_tokens: int, prompt_len: int = 5, temperature: float = 0.0) -> float:
     """Seconds for ``concurrency`` concurrent requests of ``new_tokens`` tokens (distinct prompts of
-    ``prompt_len`` tokens)."""
+    ``prompt_len`` tokens) at ``temperature`` (above 0: DFLASH accepts by rejection sampling on the verify logits)."""
     def one(i: int) -> int:
         r = requests.post(server.url + "/generate", timeout=1800, json={
             "input_ids": [10 + i, 20 + i] + [30 + (7 * j) % 1000 for j in range(prompt_len - 2)],
-            "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}})
+            "sampling_params": {"temperature": temperature, "max_new_tokens": new_tokens, "ignore_eos": True}})
         r.raise_for_status()
         return r.json()["meta_info"]["completion_tokens"]
 
@@ -120,6 +121,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=5, help="tokens per prompt (>= 2): the context each step reads")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="above 0 the steps include DFLASH's sampled accept (no-spec samples too)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--servers", default="nospec,w1,fixed")
     ap.add_argument("--startup-timeout", type=float, default=600)
@@ -142,18 +145,18 @@ def main() -> None:
         extra = [] if name == "nospec" else ["--speculative-adaptive-config", WIDTHS[name]]
         server = Server(name, target, None if name == "nospec" else draft, "sglang_dflash", out,
                         extra=extra, flags=flags(args.concurrency))
+        one_pass = functools.partial(load, server, args.concurrency, args.new_tokens, args.prompt_len, args.temperature)
         try:
             if not server.wait(time.time() + args.startup_timeout):
                 raise SystemExit(f"{name}: {server.error}; see {server.log}")
-            load(server, args.concurrency, args.new_tokens, args.prompt_len)  # warm-up
-            passes = [load(server, args.concurrency, args.new_tokens, args.prompt_len) for _ in range(args.repeats)]
+            one_pass()  # warm-up
+            passes = [one_pass() for _ in range(args.repeats)]
             if args.kernel_profile:
                 trace_dir = start_kernel_profile(server, args.kernel_profile, out)
-                load(server, args.concurrency, args.new_tokens, args.prompt_len)
+                one_pass()
                 profile = read_kernel_profile(trace_dir, args.kernel_profile)
             if args.host_profile:
-                host_profile(server, args.host_profile, out,
-                             lambda: load(server, args.concurrency, args.new_tokens, args.prompt_len))
+                host_profile(server, args.host_profile, out, one_pass)
         finally:
             server.stop()
         ms = statistics.median(passes) / args.new_tokens * 1e3
@@ -164,7 +167,7 @@ def main() -> None:
         (out / "results.json").write_text(json.dumps(results, indent=1))
     ref = results["servers"].get("nospec", {}).get("ms_per_step")
     print(f"\n{args.concurrency} concurrent requests x {args.new_tokens} tokens after {args.prompt_len}-token prompts, "
-          f"{results['device']}")
+          f"temperature {args.temperature:g}, {results['device']}")
     print("| server | ms per step | vs no-spec |\n|---|---|---|")
     for name, r in results["servers"].items():
         ratio = f"{ref / r['ms_per_step']:.2f}x" if ref else "—"
