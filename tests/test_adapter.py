@@ -1034,3 +1034,126 @@ def test_step_widths_keep_the_whole_block_when_every_draft_is_accepted(monkeypat
             clock[0] += 0.0022 * (1 + 0.03 * rng.uniform(-1, 1)) * (1 + 0.002 * w)
     assert sum(used.values()) <= 1.04 * 8 * 32, dict(used)
     assert all(n <= 3 for w, n in used.items() if w < 16), dict(used)  # one trial, then re-measurements
+
+
+# ---- sampled accept: the verify rows drawn by SGLang's own sampler ----------------------------------------------
+
+def _cpu_sampler(monkeypatch):
+    """SGLang's own `Sampler` on CPU with its "pytorch" backend, built outside a server: the process-wide settings it
+    reads (one rank, no deterministic mode, the sampling backend) are stubbed where this SGLang looks them up."""
+    import sglang.srt.layers.sampler as sm
+
+    group = SimpleNamespace(device_group=None)
+    cfg = SimpleNamespace(deterministic=SimpleNamespace(rl_on_policy_target=None, enable_deterministic_inference=False),
+                          kernel=SimpleNamespace(sampling_backend="pytorch"),
+                          features=SimpleNamespace(sampling_mask_max_tokens=0))
+    monkeypatch.setattr(sm, "get_exec", lambda: cfg)
+    monkeypatch.setattr(sm, "is_dp_attention_enabled", lambda: False)
+    monkeypatch.setattr(sm, "get_tp_group", lambda: group, raising=False)  # SGLang 0.5.17
+    monkeypatch.setattr(sm, "get_parallel", lambda: SimpleNamespace(tp_group=group), raising=False)  # 0.5.23
+    return sm.Sampler()
+
+
+def _sampling_info(n: int, vocab: int, temperature: float, top_k: int, top_p: float, seed=None):
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+    return SamplingBatchInfo(
+        temperatures=torch.full((n, 1), temperature), top_ps=torch.full((n,), top_p),
+        top_ks=torch.full((n,), top_k, dtype=torch.int32), min_ps=torch.zeros(n), is_all_greedy=False,
+        is_any_greedy=False, need_top_p_sampling=top_p < 1, need_top_k_sampling=top_k < vocab,
+        need_min_p_sampling=False, vocab_size=vocab, device="cpu", sampling_seed=seed)
+
+
+def test_sample_rows_gives_each_row_its_requests_parameters_and_position(monkeypatch):
+    """Row (i, k) of the verify block is sampled with request i's parameters at position seq_len_i + k; the ids come
+    back int64 and the seed stays absent when the batch has none."""
+    from sglang_dflash.adapter.sampling import sample_rows
+
+    seen = {}
+
+    def sampler(out, info, return_logprob, top_nums, token_ids, positions):
+        seen.update(info=info, positions=positions, return_logprob=return_logprob, n=out.next_token_logits.shape[0])
+        return torch.arange(out.next_token_logits.shape[0], dtype=torch.int32)
+
+    info = _sampling_info(2, 9, 0.5, 3, 0.8)
+    info.temperatures = torch.tensor([[0.5], [2.0]])
+    info.top_ks = torch.tensor([3, 9], dtype=torch.int32)
+    ids = sample_rows(sampler, info, torch.zeros(2 * 4, 9), torch.tensor([7, 20]), 4)
+    assert ids.dtype == torch.int64 and ids.tolist() == list(range(8))
+    rows = seen["info"]
+    assert seen["n"] == 8 and seen["return_logprob"] is False
+    assert rows.temperatures.view(-1).tolist() == [0.5] * 4 + [2.0] * 4
+    assert rows.top_ks.tolist() == [3] * 4 + [9] * 4 and rows.top_ps.shape == (8,) and rows.min_ps.shape == (8,)
+    assert seen["positions"].tolist() == [7, 8, 9, 10, 20, 21, 22, 23]
+    assert rows.sampling_seed is None and not rows.is_all_greedy and rows.need_top_k_sampling
+
+    info.sampling_seed = torch.tensor([11, 12])
+    sample_rows(sampler, info, torch.zeros(8, 9), torch.tensor([7, 20]), 4)
+    assert seen["info"].sampling_seed.tolist() == [11] * 4 + [12] * 4
+
+
+def test_sampled_accept_commits_the_targets_law(monkeypatch):
+    """`BlockSampler.accept` with SGLang's own sampler, half the requests at temperature 0.8 with top-k 2, half at
+    1.3 with top-p 0.7 (each filter binding where it is set): the first committed token follows the request's
+    filtered law at block row 0 (`verify.target_probs`, the rule's own copy), and the second, after an accepted first
+    draft, the law at row 1 -- although the drafts are each row's most likely token, which a sampler ignoring them
+    would over-commit. Control: the same test rejects a verify step that, after rejecting a draft, draws the bonus
+    token afresh from the whole law instead of taking the rejected row's draw."""
+    from scipy.stats import chisquare
+
+    from sglang_dflash.adapter.sampling import BlockSampler, sample_rows
+    from sglang_dflash.verify import target_probs
+
+    torch.manual_seed(0)
+    n, B, V = 4000, 3, 7
+    half = n // 2
+    base = torch.tensor([[2.0, 1.6, 1.0, 0.5, 0.0, -1.0, -3.0],
+                         [0.3, 1.2, 1.1, -0.4, 0.8, -2.0, 0.1],
+                         [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    params = {"temperature": [0.8, 1.3], "top_k": [2, V], "top_p": [1.0, 0.7]}
+    laws = [target_probs(base[None], torch.tensor([t]), torch.tensor([k]), torch.tensor([p]), torch.zeros(1),
+                         any_greedy=False)[0] for t, k, p in zip(*params.values())]  # per group [B, V]
+    assert [int((law > 0).sum()) for law in laws[0][:2]] == [2, 2]  # top-k binds
+    assert [int((law > 0).sum()) for law in laws[1][:2]] == [3, 4]  # top-p binds
+    group = torch.arange(n) >= half
+    drafts = torch.stack([torch.full((n,), 5), base[0].argmax().repeat(n), base[1].argmax().repeat(n)], dim=1)
+
+    def info_for(m: int):
+        info = _sampling_info(m, V, 1.0, V, 1.0)
+        g = torch.arange(m) >= m // 2
+        info.temperatures = torch.where(g, 1.3, 0.8)[:, None]
+        info.top_ks = torch.where(g, V, 2).to(torch.int32)
+        info.top_ps = torch.where(g, 0.7, 1.0)
+        info.need_top_k_sampling = info.need_top_p_sampling = True
+        return info
+
+    sampler = _cpu_sampler(monkeypatch)
+    reqs = [SimpleNamespace(sampling_params=SimpleNamespace(min_new_tokens=0, frequency_penalty=0.0,
+                                                            presence_penalty=0.0, repetition_penalty=1.0),
+                            output_ids=[1]) for _ in range(n)]
+    info = info_for(n)
+    info.logit_bias = None
+    batch = SimpleNamespace(has_grammar=False, reqs=reqs, sampling_info=info, return_logprob=False,
+                            seq_lens=torch.full((n,), 10))
+    accept_lens, bonus, committed, _ = BlockSampler("cpu", sampler).accept(batch, drafts, base.repeat(n, 1))
+
+    def fits(tokens: torch.Tensor, probs: torch.Tensor) -> float:
+        keep = probs > 0
+        assert (torch.bincount(tokens, minlength=V)[~keep] == 0).all()  # nothing outside the filtered support
+        counts = torch.bincount(tokens, minlength=V)[keep].double()
+        expected = probs[keep].double()
+        return float(chisquare(counts, expected / expected.sum() * counts.sum()).pvalue)
+
+    assert torch.equal(committed[torch.arange(n), accept_lens], bonus)
+    for g, law in enumerate(laws):
+        mine = group == bool(g)
+        assert fits(committed[mine, 0], law[0]) >= 1e-4
+        after = mine & (accept_lens >= 1)
+        assert 0.2 * half < int(after.sum()) < 0.8 * half
+        assert fits(committed[after, 1], law[1]) >= 1e-4
+
+    # control: the bonus drawn afresh after a rejection over-commits d_1
+    rows = sample_rows(sampler, info_for(n), base.repeat(n, 1), torch.zeros(n), B).view(n, B)
+    fresh = sample_rows(sampler, info_for(n), base.repeat(n, 1), torch.zeros(n), B).view(n, B)
+    broken_first = torch.where(rows[:, 0] == drafts[:, 1], drafts[:, 1], fresh[:, 0])
+    assert fits(broken_first[~group], laws[0][0]) < 1e-4

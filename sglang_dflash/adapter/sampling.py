@@ -4,7 +4,8 @@
 logits ``[bs * B, V]``, it applies what token-by-token decoding would apply at each block position -- the grammar's
 vocab mask after the drafts before that position, frequency / presence / repetition penalties (the drafts before a
 position count as output), ``min_new_tokens``, ``logit_bias``, custom logit processors -- and accepts greedily or by
-exact rejection sampling (`sglang_dflash.verify`). `BlockSampler.attach_logprobs` writes the committed tokens'
+by speculative sampling: every verify row's token is drawn by the target's own SGLang sampler (`sample_rows`)
+and a draft is accepted when it equals its row's draw. `BlockSampler.attach_logprobs` writes the committed tokens'
 logprobs as SGLang's sampler defines them. `plain_greedy` tells when none of this is needed (the step's own greedy
 accept stands); `reads_output_history` when the logits depend on the output so far.
 """
@@ -17,10 +18,11 @@ from typing import Optional, Sequence
 
 import torch
 
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask
 
 from sglang_dflash.kernels.accept import accept_tokens
-from sglang_dflash.verify import sample_predictions, target_probs
 
 
 @dataclass
@@ -185,10 +187,11 @@ def reads_output_history(batch) -> bool:
 
 
 class BlockSampler:
-    """The accept decision for verify blocks; keeps the penalties' per-request output counts between steps."""
+    """The accept decision for verify blocks, drawing with ``sampler`` (the target runner's SGLang `Sampler`); keeps
+    the penalties' per-request output counts between steps."""
 
-    def __init__(self, device) -> None:
-        self.device = device
+    def __init__(self, device, sampler) -> None:
+        self.device, self.sampler = device, sampler
         self.output_counts: Optional[OutputCounts] = None  # made at the first penalized step (logits width)
 
     def accept(self, batch, draft_tokens: torch.Tensor, logits: torch.Tensor) -> Accepted:
@@ -203,12 +206,9 @@ class BlockSampler:
         seq_lens = batch.seq_lens.to(torch.int64)
         if info.is_all_greedy:
             return greedy_accept(draft_tokens, logits, seq_lens)
-        probs = target_probs(logits.view(bs, B, -1), info.temperatures.view(-1), info.top_ks.view(-1),
-                             info.top_ps.view(-1), info.min_ps.view(-1),
-                             needs_filter=info.need_top_p_sampling or info.need_top_k_sampling
-                             or info.need_min_p_sampling,
-                             any_greedy=False)  # SGLang encodes greedy rows as top_k=1, temperature 1
-        return accept_tokens(draft_tokens, sample_predictions(draft_tokens, probs), seq_lens)
+        # the sampler works in place on the logits: attach_logprobs reads them afterwards
+        rows = sample_rows(self.sampler, info, logits.clone() if batch.return_logprob else logits, seq_lens, B)
+        return accept_tokens(draft_tokens, rows.view(bs, B), seq_lens)
 
     def adjust_logits(self, batch, logits: torch.Tensor, draft_tokens: torch.Tensor) -> None:
         """Penalties, min_new_tokens and logit_bias on the verify logits ``[bs, B, V]``, in place, per block
@@ -266,6 +266,28 @@ class BlockSampler:
             logits_output.next_token_token_ids_logprobs_val = [
                 flat[r, ids] if ids is not None else flat.new_empty(0) for r, ids in enumerate(token_ids)]
             logits_output.next_token_token_ids_logprobs_idx = [ids or [] for ids in token_ids]
+
+
+def sample_rows(sampler, info: SamplingBatchInfo, logits: torch.Tensor, seq_lens: torch.Tensor, width: int
+                ) -> torch.Tensor:
+    """Each verify row's token drawn by SGLang's ``sampler`` as plain decoding draws it: logits ``[bs * width, V]``
+    (adjusted already; overwritten), request ``i``'s parameters in ``info`` (temperature, top-k / top-p / min-p, a
+    sampling seed) on its ``width`` rows, row ``(i, k)`` at position ``seq_lens[i] + k`` (what a seeded draw hashes,
+    as for the token plain decoding feeds there). -> ``[bs * width]`` int64.
+
+    With a point-mass draft this is exact speculative sampling: draft ``d`` at row ``k`` is accepted when the row's
+    draw equals it (probability ``p_k(d)``), and a rejected row's draw is distributed as ``p_k`` without ``d``,
+    renormalised -- the residual. Greedy rows of a mixed batch are SGLang's top-k 1 rows."""
+    rep = lambda t: None if t is None else t.repeat_interleave(width, dim=0)  # noqa: E731
+    rows = SamplingBatchInfo(
+        temperatures=rep(info.temperatures), top_ps=rep(info.top_ps), top_ks=rep(info.top_ks),
+        min_ps=rep(info.min_ps), is_all_greedy=False, is_any_greedy=info.is_any_greedy,
+        need_top_p_sampling=info.need_top_p_sampling, need_top_k_sampling=info.need_top_k_sampling,
+        need_min_p_sampling=info.need_min_p_sampling, vocab_size=info.vocab_size,
+        sampling_seed=rep(info.sampling_seed), device=info.device)
+    positions = (seq_lens[:, None] + torch.arange(width, device=seq_lens.device)).view(-1)
+    ids = sampler(LogitsProcessorOutput(next_token_logits=logits), rows, False, [], [], positions)
+    return ids.to(torch.int64)
 
 
 def apply_grammar(batch, draft_tokens: torch.Tensor, logits: torch.Tensor, device) -> None:

@@ -72,7 +72,7 @@ class DFlashWorker(BaseSpecWorker):
             logger.info("sglang-dflash: sliding-window draft layers run on SGLang's sliding-window attention, which "
                         "trims each request's keys to its window plus the block: at contexts longer than the window "
                         "a block query may see up to block_size keys past z-lab's window (torch_native: exact)")
-        self.sampler = BlockSampler(self.device)
+        self.sampler = BlockSampler(self.device, self.target_runner.sampler)
         adaptive = AdaptiveConfig.parse(args.speculative_adaptive_config, self.block_size)
         self.widths = StepWidths(adaptive, self.block_size, self.device, self.tp_group,
                                  overlap=not args.disable_overlap_schedule)
