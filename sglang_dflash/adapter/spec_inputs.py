@@ -69,15 +69,17 @@ class DFlashDraftState(SpecInput):
         # numpy on the host: this runs every step, and numpy's small-array ops cost a fraction of torch's
         committed = np.fromiter((int(committed_len(r)) for r in batch.reqs), dtype=np.int64, count=bs)
         allocated = np.fromiter((int(r.kv.kv_allocated_len) for r in batch.reqs), dtype=np.int64, count=bs)
-        reserved = np.maximum(allocated, np.minimum(committed + 2 * self.block_size, row_width))
-        need = reserved - allocated
-        total = int(need.sum())
-        if total > 0:
-            ahead = np.maximum(allocated, np.minimum(committed + 3 * self.block_size, row_width))
+
+        def headroom(blocks: int) -> np.ndarray:  # allocated lengths ``blocks`` blocks past the committed ones
+            return np.maximum(allocated, np.minimum(committed + blocks * self.block_size, row_width))
+
+        reserved = headroom(2)
+        if (reserved > allocated).any():
+            ahead = headroom(3)
             if int((ahead - allocated).sum()) <= batch.token_to_kv_pool_allocator.available_size():
                 reserved = ahead
-                need = reserved - allocated
-                total = int(need.sum())
+            need = reserved - allocated
+            total = int(need.sum())
             slots = alloc_token_slots(batch.tree_cache, total)
             # rows/cols of req_to_token[req_pool_idx, allocated : reserved] for every request, built on the host
             # from the requests' own indices (no device read)
