@@ -11,11 +11,11 @@ the verify itself at a large one), with acceptance and the width policy out of t
     python benchmarks/bench_batch_steps.py --out DIR                  # random_checkpoints.py's tiny shape, built here
     python benchmarks/bench_batch_steps.py --target T --draft D --out DIR --concurrency 64
 
-Prints a table and writes ``<out>/results.json``; ``--kernel-profile STEPS`` adds each server's GPU time per step
-by kernel category and its top kernels (SGLang's torch profiler over one more pass); ``--host-profile SECONDS``
-samples the scheduler process's Python stacks with py-spy for that long under the same load, idle waits included
-(collapsed stacks in ``<out>/host_<server>.txt``), and prints the functions whose share of the samples differs
-most from no-spec's.
+Prints a table (and each DFLASH server's decode steps per verify width over the timed passes) and writes
+``<out>/results.json``; ``--kernel-profile STEPS`` adds each server's GPU time per step by kernel category and its
+top kernels (SGLang's torch profiler over one more pass); ``--host-profile SECONDS`` samples the scheduler process's
+Python stacks with py-spy for that long under the same load, idle waits included (collapsed stacks in
+``<out>/host_<server>.txt``), and prints the functions whose share of the samples differs most from no-spec's.
 """
 
 from __future__ import annotations
@@ -64,6 +64,17 @@ def load(server: Server, concurrency: int, new_tokens: int, prompt_len: int = 5,
     if done != [new_tokens] * concurrency:
         raise SystemExit(f"{server.name}: replies of {sorted(set(done))} tokens, expected {new_tokens}")
     return time.perf_counter() - t0
+
+
+def verify_widths(server: Server) -> dict[str, int]:
+    """A DFLASH server's decode steps per verify width since start-up (``/get_server_info``); {} for no-spec."""
+    info = requests.get(server.url + "/get_server_info", timeout=30).json()
+    return info["internal_states"][0].get("dflash_verify_widths", {}).get("steps_per_width", {})
+
+
+def steps_between(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """Steps per width taken between two `verify_widths` readings."""
+    return {w: n - before.get(w, 0) for w, n in after.items() if n > before.get(w, 0)}
 
 
 def scheduler_pid(server: Server) -> int:
@@ -150,7 +161,9 @@ def main() -> None:
             if not server.wait(time.time() + args.startup_timeout):
                 raise SystemExit(f"{name}: {server.error}; see {server.log}")
             one_pass()  # warm-up
+            widths_before = verify_widths(server)
             passes = [one_pass() for _ in range(args.repeats)]
+            widths = steps_between(widths_before, verify_widths(server))
             if args.kernel_profile:
                 trace_dir = start_kernel_profile(server, args.kernel_profile, out)
                 one_pass()
@@ -160,10 +173,11 @@ def main() -> None:
         finally:
             server.stop()
         ms = statistics.median(passes) / args.new_tokens * 1e3
-        results["servers"][name] = {"seconds": passes, "ms_per_step": ms}
+        results["servers"][name] = {"seconds": passes, "ms_per_step": ms, "steps_per_width": widths}
         if args.kernel_profile:
             results["servers"][name]["kernel_profile"] = profile
-        print(f"{name}: {ms:.2f} ms per step (passes {', '.join(f'{s:.2f}' for s in passes)} s)", flush=True)
+        print(f"{name}: {ms:.2f} ms per step (passes {', '.join(f'{s:.2f}' for s in passes)} s)"
+              + (f", decode steps per verify width {widths}" if widths else ""), flush=True)
         (out / "results.json").write_text(json.dumps(results, indent=1))
     ref = results["servers"].get("nospec", {}).get("ms_per_step")
     print(f"\n{args.concurrency} concurrent requests x {args.new_tokens} tokens after {args.prompt_len}-token prompts, "
