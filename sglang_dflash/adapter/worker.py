@@ -54,9 +54,7 @@ class DFlashWorker(BaseSpecWorker):
                                                       args.speculative_draft_model_revision)
         self.dcfg.validate_target(self.target_runner.model_config.hf_config)
         target = self.target_runner.model
-        # the capture's checks here, at start-up; set again in `init_attention_backends`, after SGLang's own
-        capture_target_layers(target, list(self.dcfg.target_layer_ids),
-                              self.target_runner.model_config.hf_text_config.num_hidden_layers)
+        self._capture_target_layers()  # its checks here, at start-up; set again in `init_attention_backends`
         self.embed = target.get_input_embeddings()
         # under tensor parallelism: this rank's vocabulary shard (`tp`); every rank's accept is rank 0's
         self.lm_head_weight, self.vocab_start, vocab_split = lm_head_shard(target.lm_head)
@@ -103,6 +101,12 @@ class DFlashWorker(BaseSpecWorker):
                 target_kv_translator=compat.kv_translator(self.target_runner))
         return self._models
 
+    def _capture_target_layers(self) -> list[int]:
+        """Set the target's hidden-state capture to the draft's target layers (`capture_target_layers`: its checks,
+        and the layers captured, each once in layer order)."""
+        return capture_target_layers(self.target_runner.model, list(self.dcfg.target_layer_ids),
+                                     self.target_runner.model_config.hf_text_config.num_hidden_layers)
+
     def _build_draft_worker(self, server_args, gpu_id, ps, nccl_port) -> TpModelWorker:
         """A draft TpModelWorker (SGLang's draft-worker builder) whose model class is ours and whose KV pool shares
         slots."""
@@ -118,9 +122,7 @@ class DFlashWorker(BaseSpecWorker):
         both runners' extends then go to `cpu_attention.DFlashCPUAttnBackend` (new tokens only, the draft's layers
         as z-lab defines them). The target's layer capture is set here, after the target runner set SGLang's (the
         draft's target_layer_ids as given, which repeated ids break) and before any graph is captured."""
-        captured = capture_target_layers(self.target_runner.model, list(self.dcfg.target_layer_ids),
-                                         self.target_runner.model_config.hf_text_config.num_hidden_layers)
-        self.draft_model.read_captured_layers(captured)
+        self.draft_model.read_captured_layers(self._capture_target_layers())
         super().init_attention_backends()
         if self.backend == "torch_native":
             for runner in (self.target_runner, self.draft_runner):
