@@ -39,7 +39,8 @@ import torch
 from bench_dflash import SERVER_FLAGS, Server, describe_kernel_profile, read_kernel_profile, start_kernel_profile
 from random_checkpoints import build
 
-WIDTHS = {"w1": '{"widths": [1]}', "fixed": '{"adaptive": false}', "adaptive": '{}'}
+WIDTHS = {"w1": '{"widths": [1]}', "w4": '{"widths": [4]}', "w8": '{"widths": [8]}', "fixed": '{"adaptive": false}',
+          "adaptive": '{}'}
 
 
 def flags(concurrency: int) -> list[str]:
@@ -48,12 +49,15 @@ def flags(concurrency: int) -> list[str]:
     return ["--dtype", "float32", "--sleep-on-idle", "--max-running-requests", str(concurrency)]
 
 
-def load(server: Server, concurrency: int, new_tokens: int, prompt_len: int = 5, temperature: float = 0.0) -> float:
-    """Seconds for ``concurrency`` concurrent requests of ``new_tokens`` tokens (distinct prompts of
-    ``prompt_len`` tokens) at ``temperature`` (above 0: DFLASH accepts by rejection sampling on the verify logits)."""
+def load(server: Server, concurrency: int, new_tokens: int, prompt_len: int = 5, temperature: float = 0.0,
+         prompts: list[list[int]] | None = None) -> float:
+    """Seconds for ``concurrency`` concurrent requests of ``new_tokens`` tokens at ``temperature`` (above 0: DFLASH
+    accepts by sampling), request i on ``prompts[i % len(prompts)]`` or else a distinct synthetic prompt of
+    ``prompt_len`` tokens."""
     def one(i: int) -> int:
+        ids = prompts[i % len(prompts)] if prompts else [10 + i, 20 + i] + [30 + (7 * j) % 1000 for j in range(prompt_len - 2)]
         r = requests.post(server.url + "/generate", timeout=1800, json={
-            "input_ids": [10 + i, 20 + i] + [30 + (7 * j) % 1000 for j in range(prompt_len - 2)],
+            "input_ids": ids,
             "sampling_params": {"temperature": temperature, "max_new_tokens": new_tokens, "ignore_eos": True}})
         r.raise_for_status()
         return r.json()["meta_info"]["completion_tokens"]
@@ -64,6 +68,18 @@ def load(server: Server, concurrency: int, new_tokens: int, prompt_len: int = 5,
     if done != [new_tokens] * concurrency:
         raise SystemExit(f"{server.name}: replies of {sorted(set(done))} tokens, expected {new_tokens}")
     return time.perf_counter() - t0
+
+
+def held_out_prompts(target: Path, n: int) -> list[list[int]]:
+    """``n`` held-out prompts (MT-Bench, HumanEval, GSM8K interleaved), chat-templated token ids of ``target``."""
+    from transformers import AutoTokenizer
+
+    from sglang_dflash import data
+
+    tok = AutoTokenizer.from_pretrained(target)
+    per_set = -(-n // 3)
+    sets = [data.mtbench_prompts(per_set, tok), data.humaneval_prompts(per_set, tok), data.gsm8k_prompts(per_set, tok)]
+    return [tok.encode(p, add_special_tokens=False) for trio in zip(*sets) for p in trio][:n]
 
 
 def verify_widths(server: Server) -> dict[str, int]:
@@ -132,6 +148,10 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=5, help="tokens per prompt (>= 2): the context each step reads")
+    ap.add_argument("--held-out", action="store_true",
+                    help="prompts from the held-out MT-Bench / HumanEval / GSM8K sets (chat template) instead of "
+                         "synthetic ones: with a trained --draft, the steps of a real workload (a step then commits "
+                         "its accepted tokens, and ms per step reads as ms per committed token)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="above 0 the steps include DFLASH's sampled accept (no-spec samples too)")
     ap.add_argument("--repeats", type=int, default=3)
@@ -150,13 +170,15 @@ def main() -> None:
         target, draft = Path(args.target), Path(args.draft)
     else:
         target, draft = build("tiny", out / "models", "cuda" if torch.cuda.is_available() else "cpu")
+    prompts = held_out_prompts(target, args.concurrency) if args.held_out else None
     results = {"date": time.strftime("%Y-%m-%d"), "args": vars(args),
                "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "servers": {}}
     for name in args.servers.split(","):
         extra = [] if name == "nospec" else ["--speculative-adaptive-config", WIDTHS[name]]
         server = Server(name, target, None if name == "nospec" else draft, "sglang_dflash", out,
                         extra=extra, flags=flags(args.concurrency))
-        one_pass = functools.partial(load, server, args.concurrency, args.new_tokens, args.prompt_len, args.temperature)
+        one_pass = functools.partial(load, server, args.concurrency, args.new_tokens, args.prompt_len, args.temperature,
+                                     prompts)
         try:
             if not server.wait(time.time() + args.startup_timeout):
                 raise SystemExit(f"{name}: {server.error}; see {server.log}")

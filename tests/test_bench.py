@@ -309,3 +309,24 @@ def test_arch_matrix_chi_square_tells_one_distribution_from_another_and_prompts_
     shared = prompts[0][:150]
     assert len(prompts) == 32 and len({tuple(p) for p in prompts}) == 32 and follow
     assert all(p[:150] == shared for p in prompts) and min(map(len, prompts)) < 200 < max(map(len, prompts))
+
+
+def test_batch_step_held_out_prompts_interleave_the_three_sets_with_the_chat_template(monkeypatch):
+    """``bench_batch_steps --held-out``: request i gets the i-th of MT-Bench / HumanEval / GSM8K interleaved, as the
+    target's chat-templated token ids."""
+    from transformers import AutoTokenizer
+
+    from sglang_dflash import data
+    from sglang_dflash.assets import smollm2_path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    steps = _bench_module("bench_batch_steps")
+    target = smollm2_path()
+    tok = AutoTokenizer.from_pretrained(target)
+    ids = steps.held_out_prompts(target, 7)
+    assert len(ids) == 7
+    expect = [data.mtbench_prompts(3, tok), data.humaneval_prompts(3, tok), data.gsm8k_prompts(3, tok)]
+    for i, got in enumerate(ids):
+        assert tok.decode(got) == expect[i % 3][i // 3]
+    assert tok.decode(ids[0]).startswith("<|im_start|>") and tok.decode(ids[0]).endswith("<|im_start|>assistant\n")
+    assert set(steps.WIDTHS) >= {"w1", "w4", "w8", "fixed", "adaptive"}
