@@ -1,10 +1,12 @@
 """Time per decode step at one batch size: no-spec against DFLASH with nothing accepted, widths pinned.
 
-Each server (one at a time) gets ``--concurrency`` concurrent greedy requests of ``--new-tokens`` tokens each
+Each server (one at a time) gets ``--concurrency`` concurrent requests (greedy unless ``--temperature``) of ``--new-tokens`` tokens each
 (``ignore_eos``), after one warm-up round; with a random draft nothing is accepted, so every DFLASH step commits one
 token per request and wall time / ``--new-tokens`` is the time of one step at that batch size. ``w1`` pins the
 verify width to 1 (a plain decode step plus the draft's context K/V), ``fixed`` verifies the whole block,
-``adaptive`` is the default server (the width policy chooses; `--servers nospec,w1,adaptive`). The difference
+``adaptive`` is the default server (the width policy chooses; `--servers nospec,w1,adaptive`; ``w2`` / ``w4`` /
+``w8`` pin those widths). With ``--held-out`` and a trained draft the requests are real prompts (a step then
+commits what it accepts, and ms per step reads as ms per committed token). The difference
 of ``w1`` / ``fixed`` to no-spec is the DFLASH path's own per-step cost (host work and launches at a small target;
 the verify itself at a large one), with acceptance and the width policy out of the picture.
 
@@ -39,8 +41,8 @@ import torch
 from bench_dflash import SERVER_FLAGS, Server, describe_kernel_profile, read_kernel_profile, start_kernel_profile
 from random_checkpoints import build
 
-WIDTHS = {"w1": '{"widths": [1]}', "w4": '{"widths": [4]}', "w8": '{"widths": [8]}', "fixed": '{"adaptive": false}',
-          "adaptive": '{}'}
+WIDTHS = {"w1": '{"widths": [1]}', "w2": '{"widths": [2]}', "w4": '{"widths": [4]}', "w8": '{"widths": [8]}',
+          "fixed": '{"adaptive": false}', "adaptive": '{}'}
 
 
 def flags(concurrency: int) -> list[str]:
@@ -202,7 +204,8 @@ def main() -> None:
               + (f", decode steps per verify width {widths}" if widths else ""), flush=True)
         (out / "results.json").write_text(json.dumps(results, indent=1))
     ref = results["servers"].get("nospec", {}).get("ms_per_step")
-    print(f"\n{args.concurrency} concurrent requests x {args.new_tokens} tokens after {args.prompt_len}-token prompts, "
+    context = "held-out prompts" if args.held_out else f"{args.prompt_len}-token prompts"
+    print(f"\n{args.concurrency} concurrent requests x {args.new_tokens} tokens after {context}, "
           f"temperature {args.temperature:g}, {results['device']}")
     print("| server | ms per step | vs no-spec |\n|---|---|---|")
     for name, r in results["servers"].items():

@@ -329,4 +329,4 @@ def test_batch_step_held_out_prompts_interleave_the_three_sets_with_the_chat_tem
     for i, got in enumerate(ids):
         assert tok.decode(got) == expect[i % 3][i // 3]
     assert tok.decode(ids[0]).startswith("<|im_start|>") and tok.decode(ids[0]).endswith("<|im_start|>assistant\n")
-    assert set(steps.WIDTHS) >= {"w1", "w4", "w8", "fixed", "adaptive"}
+    assert set(steps.WIDTHS) >= {"w1", "w2", "w4", "w8", "fixed", "adaptive"}
