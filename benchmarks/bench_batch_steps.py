@@ -1,8 +1,8 @@
 """Time per decode step at one batch size: no-spec against DFLASH with nothing accepted, widths pinned.
 
-Each server (one at a time) gets ``--concurrency`` concurrent requests (greedy unless ``--temperature``) of ``--new-tokens`` tokens each
-(``ignore_eos``), after one warm-up round; with a random draft nothing is accepted, so every DFLASH step commits one
-token per request and wall time / ``--new-tokens`` is the time of one step at that batch size. ``w1`` pins the
+Each server (one at a time) gets ``--concurrency`` concurrent requests (greedy unless ``--temperature``) of
+``--new-tokens`` tokens each (``ignore_eos``), after one warm-up round; with a random draft nothing is accepted, so
+every DFLASH step commits one token per request and wall time / ``--new-tokens`` is the time of one step at that batch size. ``w1`` pins the
 verify width to 1 (a plain decode step plus the draft's context K/V), ``fixed`` verifies the whole block,
 ``adaptive`` is the default server (the width policy chooses; `--servers nospec,w1,adaptive`; ``w2`` / ``w4`` /
 ``w8`` pin those widths). With ``--held-out`` and a trained draft the requests are real prompts (a step then
