@@ -2,9 +2,9 @@
 
 Each server (one at a time) gets ``--concurrency`` concurrent requests (greedy unless ``--temperature``) of
 ``--new-tokens`` tokens each (``ignore_eos``), after one warm-up round; with a random draft nothing is accepted, so
-every DFLASH step commits one token per request and wall time / ``--new-tokens`` is the time of one step at that batch size. ``w1`` pins the
-verify width to 1 (a plain decode step plus the draft's context K/V), ``fixed`` verifies the whole block,
-``adaptive`` is the default server (the width policy chooses; `--servers nospec,w1,adaptive`; ``w2`` / ``w4`` /
+every DFLASH step commits one token per request and wall time / ``--new-tokens`` is the time of one step at that
+batch size. ``w1`` pins the verify width to 1 (a plain decode step plus the draft's context K/V), ``fixed``
+verifies the whole block, ``adaptive`` is the default server (the width policy chooses; `--servers nospec,w1,adaptive`; ``w2`` / ``w4`` /
 ``w8`` pin those widths). With ``--held-out`` and a trained draft the requests are real prompts (a step then
 commits what it accepts, and ms per step reads as ms per committed token). The difference
 of ``w1`` / ``fixed`` to no-spec is the DFLASH path's own per-step cost (host work and launches at a small target;
@@ -57,7 +57,8 @@ def load(server: Server, concurrency: int, new_tokens: int, prompt_len: int = 5,
     accepts by sampling), request i on ``prompts[i % len(prompts)]`` or else a distinct synthetic prompt of
     ``prompt_len`` tokens."""
     def one(i: int) -> int:
-        ids = prompts[i % len(prompts)] if prompts else [10 + i, 20 + i] + [30 + (7 * j) % 1000 for j in range(prompt_len - 2)]
+        synthetic = [10 + i, 20 + i] + [30 + (7 * j) % 1000 for j in range(prompt_len - 2)]
+        ids = prompts[i % len(prompts)] if prompts else synthetic
         r = requests.post(server.url + "/generate", timeout=1800, json={
             "input_ids": ids,
             "sampling_params": {"temperature": temperature, "max_new_tokens": new_tokens, "ignore_eos": True}})
