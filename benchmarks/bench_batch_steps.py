@@ -3,12 +3,12 @@
 Each server (one at a time) gets ``--concurrency`` concurrent requests (greedy unless ``--temperature``) of
 ``--new-tokens`` tokens each (``ignore_eos``), after one warm-up round; with a random draft nothing is accepted, so
 every DFLASH step commits one token per request and wall time / ``--new-tokens`` is the time of one step at that
-batch size. ``w1`` pins the verify width to 1 (a plain decode step plus the draft's context K/V), ``fixed``
-verifies the whole block, ``adaptive`` is the default server (the width policy chooses; `--servers nospec,w1,adaptive`; ``w2`` / ``w4`` /
-``w8`` pin those widths). With ``--held-out`` and a trained draft the requests are real prompts (a step then
-commits what it accepts, and ms per step reads as ms per committed token). The difference
-of ``w1`` / ``fixed`` to no-spec is the DFLASH path's own per-step cost (host work and launches at a small target;
-the verify itself at a large one), with acceptance and the width policy out of the picture.
+batch size. ``w1`` pins the verify width to 1 (a plain decode step plus the draft's context K/V), ``w2`` / ``w4`` /
+``w8`` pin those widths, ``fixed`` verifies the whole block, ``adaptive`` is the default server (the width policy
+chooses; `--servers nospec,w1,adaptive`). The difference of ``w1`` / ``fixed`` to no-spec is the DFLASH path's own
+per-step cost (host work and launches at a small target; the verify itself at a large one), with acceptance and
+the width policy out of the picture. With ``--held-out`` and a trained draft the requests are real prompts: a step
+then commits what it accepts, and ms per step reads as ms per committed token.
 
     python benchmarks/bench_batch_steps.py --out DIR                  # random_checkpoints.py's tiny shape, built here
     python benchmarks/bench_batch_steps.py --target T --draft D --out DIR --concurrency 64
