@@ -125,12 +125,24 @@ class _Sampler:
         placeholder = torch.zeros(probs.shape[:2], dtype=torch.long, device=probs.device)  # B=1: nothing to verify
         return sample_predictions(placeholder, probs, generator=self.generator)[:, 0]
 
-    def target_tokens(self, block: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """block ``[b, B]`` (verify rows), logits ``[b, B, V]`` -> target_tokens ``[b, B]``."""
+    def drafts(self, logits: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Draft logits ``[b, n, V]`` -> draft tokens ``[b, n]`` and the law they were drawn from: greedy, the
+        argmax (None); sampling, a draw from the draft's law under the request's own parameters (``[b, n, V]``),
+        which the verify accepts with ``min(1, p / q)`` -- more often than the argmax's ``p(argmax q)``."""
+        if self.greedy:
+            return logits.argmax(-1), None
+        q = target_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p)
+        tokens = torch.multinomial(q.view(-1, q.shape[-1]), 1, generator=self.generator)
+        return tokens.view(q.shape[:2]), q
+
+    def target_tokens(self, block: torch.Tensor, logits: torch.Tensor,
+                      draft_probs: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """block ``[b, B]`` (verify rows), logits ``[b, B, V]``, the drafts' law ``[b, B-1, V]`` from `drafts`
+        -> target_tokens ``[b, B]``."""
         if self.greedy:
             return greedy_predictions(logits)
         probs = target_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p)
-        return sample_predictions(block, probs, generator=self.generator)
+        return sample_predictions(block, probs, generator=self.generator, draft_probs=draft_probs)
 
 
 class _Batch:
@@ -308,15 +320,16 @@ class DFlashLM:
             block = torch.full((last.shape[0], B), self.mask_token_id, dtype=torch.long, device=device)
             block[:, 0] = last
             positions = batch.seq_lens[:, None] + offsets
+            q = None
             if w > 1:
                 kvs, mask = dcache.views(B)
                 hidden = self.draft(F.embedding(block, self.embed.weight), positions, kvs, mask)
                 logits = self.lm_head(hidden[:, 1:w].to(self.lm_head.weight.dtype))
-                block[:, 1:w] = draft_logits(self.draft.cfg, logits).argmax(-1)
+                block[:, 1:w], q = sampler.drafts(draft_logits(self.draft.cfg, logits))
             block, positions = block[:, :w], positions[:, :w]
             # verify: one target forward over the first w block positions
             out = batch.forward(block, positions, hidden=True)
-            target_tokens = sampler.target_tokens(block, out.logits)
+            target_tokens = sampler.target_tokens(block, out.logits, q)
             accept_lens, bonus = accept(block, target_tokens)
             n_keep = accept_lens + 1
             batch.keep_slots(n_keep, w)

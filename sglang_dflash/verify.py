@@ -9,8 +9,9 @@ Both greedy and sampling verification produce ``target_tokens [b, B]`` and then 
 acceptance rule (:func:`accept`): ``accept_lens[r]`` = number of leading ``i`` with
 ``d_{i+1} == target_tokens[r, i]``, ``bonus_tokens[r] = target_tokens[r, accept_lens[r]]``,
 committed tokens = ``d_1 .. d_{accept_len}, bonus``. For greedy, ``target_tokens`` is the argmax;
-for sampling, :func:`sample_predictions` applies the exact rejection rule for a point-mass draft,
-which makes the committed tokens distributed exactly as sampling from the target alone.
+for sampling, :func:`sample_predictions` applies the exact rejection rule for the draft's proposal (a point mass,
+or drafts drawn from the draft's own law), which makes the committed tokens distributed exactly as sampling from the
+target alone.
 """
 
 from __future__ import annotations
@@ -110,19 +111,22 @@ def sample_predictions(
     draft_tokens: torch.Tensor,
     probs: torch.Tensor,
     generator: Optional[torch.Generator] = None,
+    draft_probs: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Exact rejection sampling of target tokens for a point-mass (deterministic) draft.
+    """Exact speculative sampling of the target tokens of a verify block.
 
-    At position ``i`` in ``0..B-2`` with draft token ``x = d_{i+1}``: keep ``x`` with probability
-    ``p_i(x)``; otherwise draw from ``p_i`` with ``x`` removed and renormalised. Position ``B-1``
-    is drawn from ``p_{B-1}``. Each ``target_tokens[:, i]`` is therefore distributed exactly as
-    ``p_i``, and equals ``x`` with the largest possible probability; :func:`accept` then commits
-    tokens distributed exactly as the target's own sampling.
+    At position ``i`` in ``0..B-2`` with draft token ``x = d_{i+1}`` drawn from the proposal ``q_i``: keep ``x``
+    with probability ``min(1, p_i(x) / q_i(x))``; otherwise draw from ``max(p_i - q_i, 0)`` renormalised. Without
+    ``draft_probs`` the proposal is a point mass on ``x`` (a deterministic draft): keep ``x`` with probability
+    ``p_i(x)``, otherwise draw from ``p_i`` with ``x`` removed. Position ``B-1`` is drawn from ``p_{B-1}``. Each
+    ``target_tokens[:, i]`` is therefore distributed exactly as ``p_i`` (for any proposal that does not see the
+    target's draws), and :func:`accept` commits tokens distributed exactly as the target's own sampling.
 
     Args:
         draft_tokens: ``[b, B]`` int64, the verify block rows (column 0 = last committed token).
         probs: ``[b, B, V]`` target probabilities from :func:`target_probs` for those rows.
         generator: optional ``torch.Generator`` on ``probs.device``.
+        draft_probs: ``[b, B-1, V]`` the laws ``d_1 .. d_{B-1}`` were drawn from, or None (point masses).
 
     Returns:
         target_tokens: ``[b, B]`` int64.
@@ -132,15 +136,25 @@ def sample_predictions(
                          f"got {tuple(draft_tokens.shape)} and {tuple(probs.shape)}")
     if draft_tokens.dtype != torch.int64:
         raise ValueError(f"draft_tokens must be int64, got {draft_tokens.dtype}; use .long()")
-    b, block_size, _ = probs.shape
+    b, block_size, vocab = probs.shape
+    if draft_probs is not None and draft_probs.shape != (b, block_size - 1, vocab):
+        raise ValueError(f"draft_probs must be [batch, block_size - 1, vocab] = {(b, block_size - 1, vocab)}, "
+                         f"got {tuple(draft_probs.shape)}")
 
     drafts = draft_tokens[:, 1:].unsqueeze(-1)  # [b, B-1, 1]
     p_draft = probs[:, :-1].gather(-1, drafts).squeeze(-1)  # [b, B-1]
     u = torch.rand((b, block_size - 1), generator=generator, device=probs.device, dtype=probs.dtype)
-    keep = u < p_draft
-
     residual = probs.clone()
-    residual[:, :-1].scatter_(-1, drafts, 0.0)
+    if draft_probs is None:
+        keep = u < p_draft
+        residual[:, :-1].scatter_(-1, drafts, 0.0)
+    else:
+        q = draft_probs.to(probs.dtype)
+        keep = u * q.gather(-1, drafts).squeeze(-1) < p_draft
+        residual[:, :-1] = (probs[:, :-1] - q).clamp_(min=0.0)
+        # p == q leaves no residual, and then no rejection either: any row serves
+        empty = residual[:, :-1].sum(-1, keepdim=True) <= 0
+        residual[:, :-1] = torch.where(empty, probs[:, :-1], residual[:, :-1])
     # Exponential race: argmax_j q_j / E_j with E_j ~ Exp(1) is distributed as q / sum(q);
     # zero-probability tokens score 0 and are never picked (E is clamped away from 0).
     race = torch.empty_like(residual).exponential_(generator=generator)

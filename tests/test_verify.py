@@ -181,13 +181,22 @@ def _draft(prev, policy, step):
     return (prev * 5 + step * 3 + 1) % V
 
 
-def _always_accept(drafts, probs, generator):
-    tokens = sample_predictions(drafts, probs, generator)
+def _always_accept(drafts, probs, generator, draft_probs=None):
+    tokens = sample_predictions(drafts, probs, generator, draft_probs=draft_probs)
     tokens[:, :-1] = drafts[:, 1:]
     return tokens
 
 
-def _resample_without_removing_draft(drafts, probs, generator):
+def _residual_ignores_proposal(drafts, probs, generator, draft_probs=None):
+    """Broken: keeps a drawn draft with min(1, p / q) but on rejection draws from p instead of max(p - q, 0)."""
+    q = draft_probs.gather(-1, drafts[:, 1:, None])[..., 0]
+    keep = torch.rand(q.shape, generator=generator) * q < probs[:, :-1].gather(-1, drafts[:, 1:, None])[..., 0]
+    fresh = torch.multinomial(probs.view(-1, V), 1, generator=generator).view(probs.shape[:2])
+    fresh[:, :-1] = torch.where(keep, drafts[:, 1:], fresh[:, :-1])
+    return fresh
+
+
+def _resample_without_removing_draft(drafts, probs, generator, draft_probs=None):
     """Broken: on rejection draws from p_i itself instead of p_i with the draft token removed."""
     b, block_size, _ = probs.shape
     x = drafts[:, 1:]
@@ -197,13 +206,25 @@ def _resample_without_removing_draft(drafts, probs, generator):
     return fresh
 
 
+# A proposal law unlike the target's ("sampled" policy: each draft drawn from it, after the previous draft)
+Q_TABLE = TABLE * 0.6 + torch.randn(V, V, generator=torch.Generator().manual_seed(99))
+
+
 def _verify_step(last, policy, params, rule, gen):
     """One verify step from ``last`` [n]; returns the block [n, 3], accept_lens [n], bonus [n]."""
-    d1 = _draft(last, policy, 1)
-    d2 = _draft(d1, policy, 2)
+    if policy == "sampled":
+        q1 = torch.softmax(Q_TABLE[last], -1)
+        d1 = torch.multinomial(q1, 1, generator=gen)[:, 0]
+        q2 = torch.softmax(Q_TABLE[d1], -1)
+        d2 = torch.multinomial(q2, 1, generator=gen)[:, 0]
+        extra = {"draft_probs": torch.stack([q1, q2], dim=1)}
+    else:
+        d1 = _draft(last, policy, 1)
+        d2 = _draft(d1, policy, 2)
+        extra = {}
     block = torch.stack([last, d1, d2], dim=1)
     probs = target_probs(TABLE[block], *params)
-    accept_lens, bonus = accept(block, rule(block, probs, gen))
+    accept_lens, bonus = accept(block, rule(block, probs, gen, **extra))
     return block, accept_lens, bonus
 
 
@@ -212,8 +233,8 @@ def _emitted_pairs(policy, temperature, filt, rule, n=N_DRAWS, seed=0):
     params = _params(n, temperature, filt)
     block, accept_lens, bonus = _verify_step(torch.full((n,), START), policy, params, rule, gen)
     t1 = torch.where(accept_lens >= 1, block[:, 1], bonus)
-    _, accept_lens2, bonus2 = _verify_step(t1, policy, params, rule, gen)
-    second_step_first = torch.where(accept_lens2 >= 1, _draft(t1, policy, 1), bonus2)
+    block2, accept_lens2, bonus2 = _verify_step(t1, policy, params, rule, gen)
+    second_step_first = torch.where(accept_lens2 >= 1, block2[:, 1], bonus2)
     t2 = torch.where(accept_lens >= 2, block[:, 2], torch.where(accept_lens == 1, bonus, second_step_first))
     return t1, t2
 
@@ -230,7 +251,7 @@ def _tv_and_bound(policy, temperature, filt, rule=sample_predictions):
 
 @pytest.mark.parametrize("filt", list(FILTERS))
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
-@pytest.mark.parametrize("policy", ["right", "wrong", "half", "scrambled"])
+@pytest.mark.parametrize("policy", ["right", "wrong", "half", "scrambled", "sampled"])
 def test_sampled_verification_matches_target_distribution(policy, temperature, filt):
     tv, bound = _tv_and_bound(policy, temperature, filt)
     assert tv < bound, f"TV {tv:.5f} >= bound {bound:.5f}"
@@ -250,8 +271,10 @@ def test_draft_policies_exercise_both_outcomes():
     assert lens_wrong_filtered.eq(0).all()
 
 
-@pytest.mark.parametrize("rule", [_always_accept, _resample_without_removing_draft])
-@pytest.mark.parametrize("policy", ["right", "scrambled"])
+@pytest.mark.parametrize("rule,policy", [(_always_accept, "right"), (_always_accept, "scrambled"),
+                                         (_resample_without_removing_draft, "right"),
+                                         (_resample_without_removing_draft, "scrambled"),
+                                         (_always_accept, "sampled"), (_residual_ignores_proposal, "sampled")])
 def test_bound_detects_broken_rules(rule, policy):
     tv, bound = _tv_and_bound(policy, 1.0, "none", rule=rule)
     assert tv > 2 * bound, f"broken rule {rule.__name__} not detected: TV {tv:.5f}, bound {bound:.5f}"
@@ -383,3 +406,31 @@ def test_output_counts_follow_growing_outputs_and_batch_changes():
     outs["b"] = outs["b"][:2]  # shorter than what was counted: rebuilt
     check(["b"], [0], 1)
     check([], [], 2)
+
+
+def test_drawn_drafts_are_accepted_more_often_with_their_law_than_as_point_masses():
+    """The same drafts drawn from q: the proposal rule keeps d_1 with probability sum_x min(p, q), the point-mass
+    rule with sum_x q p (both exact); the first must show in the accept lengths."""
+    gen = torch.Generator().manual_seed(5)
+    n = 40_000
+    params = _params(n, 1.0, "none")
+    last = torch.full((n,), START)
+    q1 = torch.softmax(Q_TABLE[last], -1)
+    d1 = torch.multinomial(q1, 1, generator=gen)[:, 0]
+    q2 = torch.softmax(Q_TABLE[d1], -1)
+    d2 = torch.multinomial(q2, 1, generator=gen)[:, 0]
+    block = torch.stack([last, d1, d2], dim=1)
+    probs = target_probs(TABLE[block], *params)
+    with_law = accept(block, sample_predictions(block, probs, gen, draft_probs=torch.stack([q1, q2], 1)))[0]
+    as_points = accept(block, sample_predictions(block, probs, gen))[0]
+    p1 = probs[0, 0]
+    expect_law, expect_points = torch.minimum(p1, q1[0]).sum().item(), (p1 * q1[0]).sum().item()
+    assert expect_law > expect_points + 0.05
+    assert (with_law >= 1).double().mean().item() == pytest.approx(expect_law, abs=0.01)
+    assert (as_points >= 1).double().mean().item() == pytest.approx(expect_points, abs=0.01)
+
+
+def test_sample_predictions_rejects_a_draft_law_of_the_wrong_shape():
+    probs = torch.full((2, 3, V), 1.0 / V)
+    with pytest.raises(ValueError, match=r"draft_probs must be \[batch, block_size - 1, vocab\]"):
+        sample_predictions(torch.zeros(2, 3, dtype=torch.int64), probs, draft_probs=torch.full((2, 3, V), 1.0 / V))
