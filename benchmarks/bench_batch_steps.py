@@ -85,6 +85,14 @@ def held_out_prompts(target: Path, n: int) -> list[list[int]]:
     return [tok.encode(p, add_special_tokens=False) for trio in zip(*sets) for p in trio][:n]
 
 
+def tokens_per_step(widths: dict[str, int], new_tokens: int, repeats: int) -> float:
+    """Tokens each request commits per decode step over ``repeats`` passes of ``new_tokens`` tokens (the first of
+    each comes from the prefill), from a DFLASH server's steps per width in them (the requests run in step: one
+    batch step serves all); 1.0 for no-spec ({})."""
+    steps = sum(widths.values())
+    return (new_tokens - 1) * repeats / steps if steps else 1.0
+
+
 def verify_widths(server: Server) -> dict[str, int]:
     """A DFLASH server's decode steps per verify width since start-up (``/get_server_info``); {} for no-spec."""
     info = requests.get(server.url + "/get_server_info", timeout=30).json()
@@ -198,7 +206,9 @@ def main() -> None:
         finally:
             server.stop()
         ms = statistics.median(passes) / args.new_tokens * 1e3
-        results["servers"][name] = {"seconds": passes, "ms_per_step": ms, "steps_per_width": widths}
+        per_step = tokens_per_step(widths, args.new_tokens, args.repeats)
+        results["servers"][name] = {"seconds": passes, "ms_per_step": ms, "steps_per_width": widths,
+                                    "tokens_per_step": per_step, "ms_per_decode_step": ms * per_step}
         if args.kernel_profile:
             results["servers"][name]["kernel_profile"] = profile
         print(f"{name}: {ms:.2f} ms per step (passes {', '.join(f'{s:.2f}' for s in passes)} s)"
@@ -208,10 +218,12 @@ def main() -> None:
     context = "held-out prompts" if args.held_out else f"{args.prompt_len}-token prompts"
     print(f"\n{args.concurrency} concurrent requests x {args.new_tokens} tokens after {context}, "
           f"temperature {args.temperature:g}, {results['device']}")
-    print("| server | ms per step | vs no-spec |\n|---|---|---|")
+    print("| server | ms per step (per token) | vs no-spec | tokens per decode step | ms per decode step |\n"
+          "|---|---|---|---|---|")
     for name, r in results["servers"].items():
         ratio = f"{ref / r['ms_per_step']:.2f}x" if ref else "—"
-        print(f"| {name} | {r['ms_per_step']:.2f} | {ratio} |")
+        print(f"| {name} | {r['ms_per_step']:.2f} | {ratio} | {r['tokens_per_step']:.2f} | "
+              f"{r['ms_per_decode_step']:.2f} |")
     for name, r in results["servers"].items():
         prof = r.get("kernel_profile")
         if prof is None:

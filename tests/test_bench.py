@@ -330,3 +330,8 @@ def test_batch_step_held_out_prompts_interleave_the_three_sets_with_the_chat_tem
         assert tok.decode(got) == expect[i % 3][i // 3]
     assert tok.decode(ids[0]).startswith("<|im_start|>") and tok.decode(ids[0]).endswith("<|im_start|>assistant\n")
     assert set(steps.WIDTHS) >= {"w1", "w2", "w4", "w8", "fixed", "adaptive"}
+    # 3 passes of 256 tokens (255 decoded, the first from the prefill) in 691 batch steps (a real T=1 run)
+    assert steps.tokens_per_step({"16": 691}, 256, 3) == pytest.approx(1.1071, abs=1e-4)
+    assert steps.tokens_per_step({"2": 531, "8": 120, "1": 17}, 256, 3) == pytest.approx(765 / 668)
+    assert steps.tokens_per_step({"1": 15}, 16, 1) == 1.0  # nothing accepted
+    assert steps.tokens_per_step({}, 256, 3) == 1.0
