@@ -38,7 +38,8 @@ from pathlib import Path
 import requests
 import torch
 
-from bench_dflash import SERVER_FLAGS, Server, describe_kernel_profile, read_kernel_profile, start_kernel_profile
+from bench_dflash import (SERVER_FLAGS, Server, describe_kernel_profile, held_out_texts, read_kernel_profile,
+                          start_kernel_profile)
 from random_checkpoints import build
 
 WIDTHS = {"w1": '{"widths": [1]}', "w2": '{"widths": [2]}', "w4": '{"widths": [4]}', "w8": '{"widths": [8]}',
@@ -77,12 +78,10 @@ def held_out_prompts(target: Path, n: int) -> list[list[int]]:
     """``n`` held-out prompts (MT-Bench, HumanEval, GSM8K interleaved), chat-templated token ids of ``target``."""
     from transformers import AutoTokenizer
 
-    from sglang_dflash import data
+    from sglang_dflash.data import apply_chat
 
     tok = AutoTokenizer.from_pretrained(target)
-    per_set = -(-n // 3)
-    sets = [data.mtbench_prompts(per_set, tok), data.humaneval_prompts(per_set, tok), data.gsm8k_prompts(per_set, tok)]
-    return [tok.encode(p, add_special_tokens=False) for trio in zip(*sets) for p in trio][:n]
+    return [tok.encode(p, add_special_tokens=False) for p in apply_chat(held_out_texts(-(-n // 3)), tok)[:n]]
 
 
 def tokens_per_step(widths: dict[str, int], new_tokens: int, repeats: int) -> float:

@@ -173,6 +173,20 @@ class Server:
 
 
 # ---- load ---------------------------------------------------------------------------------
+def held_out_texts(per_set: int, prompts_dir: str | None = None) -> list[str]:
+    """The first ``per_set`` user texts of MT-Bench, HumanEval and GSM8K (the held-out sets), interleaved one of
+    each in turn; from the installed packages, or ``prompts_dir/{mtbench,humaneval,gsm8k}.jsonl`` of
+    ``{"prompt": ...}`` (``python -m sglang_dflash.data --out``)."""
+    from sglang_dflash import data
+
+    if prompts_dir:
+        sets = [[json.loads(line)["prompt"] for line in open(Path(prompts_dir) / f"{name}.jsonl")][:per_set]
+                for name in ("mtbench", "humaneval", "gsm8k")]
+    else:
+        sets = [data.mtbench_prompts(per_set), data.humaneval_prompts(per_set), data.gsm8k_prompts(per_set)]
+    return [p for trio in zip(*sets) for p in trio]
+
+
 def write_dataset(prompts: list[str], path: Path) -> Path:
     with open(path, "w") as f:
         for p in prompts:
@@ -453,17 +467,9 @@ def main():
 
     from transformers import AutoTokenizer
 
-    from sglang_dflash import data
-
     tok = AutoTokenizer.from_pretrained(target)
     n = max(8, args.prompts_per_level * max(concs))
-    per_set = (n + 2) // 3
-    if args.prompts_dir:  # {mtbench,humaneval,gsm8k}.jsonl of {"prompt": ...} (python -m sglang_dflash.data --out)
-        sets = [[json.loads(line)["prompt"] for line in open(Path(args.prompts_dir) / f"{name}.jsonl")][:per_set]
-                for name in ("mtbench", "humaneval", "gsm8k")]
-    else:
-        sets = [data.mtbench_prompts(per_set), data.humaneval_prompts(per_set), data.gsm8k_prompts(per_set)]
-    prompts = [p for trio in zip(*sets) for p in trio]
+    prompts = held_out_texts((n + 2) // 3, args.prompts_dir)
     dataset = write_dataset(prompts, out / "prompts.jsonl")
     check_ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
                  for p in prompts[:24]]
