@@ -27,7 +27,7 @@ from transformers import DynamicCache
 from .config import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
 from .model import DFlashDraftModel, DraftKVCache, draft_logits, load_draft
 from .policy import WidthPolicy
-from .verify import accept, greedy_predictions, sample_predictions, target_probs
+from .verify import accept, draw, greedy_predictions, sample_predictions, target_probs
 
 Prompts = Union[Sequence[Sequence[int]], torch.Tensor]
 
@@ -132,8 +132,7 @@ class _Sampler:
         if self.greedy:
             return logits.argmax(-1), None
         q = target_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p)
-        tokens = torch.multinomial(q.view(-1, q.shape[-1]), 1, generator=self.generator)
-        return tokens.view(q.shape[:2]), q
+        return draw(q, self.generator), q
 
     def target_tokens(self, block: torch.Tensor, logits: torch.Tensor,
                       draft_probs: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["target_probs", "greedy_predictions", "sample_predictions", "accept"]
+__all__ = ["target_probs", "draw", "greedy_predictions", "sample_predictions", "accept"]
 
 
 def _check_per_request(name: str, t: torch.Tensor, b: int, device: torch.device) -> None:
@@ -99,6 +99,16 @@ def target_probs(
     return probs
 
 
+def draw(weights: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """One token per row of ``weights [..., V]`` (non-negative, not necessarily normalised), drawn with probability
+    ``weights / weights.sum(-1)`` -> ``[...]`` int64. An exponential race, ``argmax_j w_j / E_j`` with
+    ``E_j ~ Exp(1)``: no host sync and no data-dependent shape, so it runs inside a CUDA graph; zero-weight tokens
+    score 0 and are never drawn (E is clamped away from 0)."""
+    race = torch.empty_like(weights).exponential_(generator=generator)
+    race.clamp_(min=torch.finfo(race.dtype).tiny)
+    return (weights / race).argmax(dim=-1)
+
+
 def greedy_predictions(target_logits: torch.Tensor) -> torch.Tensor:
     """Greedy target tokens: ``target_logits [b, B, V] -> target_tokens [b, B]`` int64 (argmax)."""
     if target_logits.dim() != 3:
@@ -155,11 +165,7 @@ def sample_predictions(
         # p == q leaves no residual, and then no rejection either: any row serves
         empty = residual[:, :-1].sum(-1, keepdim=True) <= 0
         residual[:, :-1] = torch.where(empty, probs[:, :-1], residual[:, :-1])
-    # Exponential race: argmax_j q_j / E_j with E_j ~ Exp(1) is distributed as q / sum(q);
-    # zero-probability tokens score 0 and are never picked (E is clamped away from 0).
-    race = torch.empty_like(residual).exponential_(generator=generator)
-    race.clamp_(min=torch.finfo(race.dtype).tiny)
-    resampled = (residual / race).argmax(dim=-1)  # [b, B]
+    resampled = draw(residual, generator)  # [b, B]
 
     target_tokens = resampled
     target_tokens[:, :-1] = torch.where(keep, draft_tokens[:, 1:], resampled[:, :-1])

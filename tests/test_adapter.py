@@ -73,26 +73,62 @@ def _req(**sampling):
                            return_logprob=False, return_hidden_states=False)
 
 
-def test_plain_greedy_is_the_only_batch_the_step_graph_accepts():
-    """The step graph's in-graph argmax accept stands for `accept` only when `accept` would apply nothing else:
-    every other batch (sampling, grammar, custom processors, logit_bias, min_new_tokens not yet reached, any
-    penalty) must accept eagerly."""
-    from sglang_dflash.adapter.sampling import plain_greedy as plain
+def test_the_step_accepts_only_what_its_own_rule_covers():
+    """The step's own accept (greedy argmax, or speculative sampling under temperature / top-k / top-p / min-p)
+    stands only where `BlockSampler.accept` would apply nothing else: a batch with a grammar, custom processors,
+    logit_bias, min_new_tokens not yet reached, any penalty or a sampling seed accepts on the logits (BLOCK), as does
+    every sampled batch under tensor parallelism; the filters choose the kind with the sort."""
+    from sglang_dflash.adapter.sampling import BLOCK, FILTERED, GREEDY, SAMPLED, step_accept_kind
 
-    def batch(*reqs, greedy=True, grammar=False, processors=False, bias=None):
-        info = SimpleNamespace(is_all_greedy=greedy, has_custom_logit_processor=processors, logit_bias=bias)
+    def batch(*reqs, greedy=True, grammar=False, processors=False, bias=None, seed=None, top_k=False, top_p=False,
+              min_p=False):
+        info = SimpleNamespace(is_all_greedy=greedy, has_custom_logit_processor=processors, logit_bias=bias,
+                               sampling_seed=seed, need_top_k_sampling=top_k, need_top_p_sampling=top_p,
+                               need_min_p_sampling=min_p)
         for r in reqs:
             r.output_ids = [5, 6]
         return SimpleNamespace(sampling_info=info, has_grammar=grammar, reqs=list(reqs))
 
-    assert plain(batch(_req(), _req(min_new_tokens=2)))  # min_new_tokens already reached
-    assert not plain(batch(_req(), greedy=False))
-    assert not plain(batch(_req(), grammar=True))
-    assert not plain(batch(_req(), processors=True))
-    assert not plain(batch(_req(), bias=torch.zeros(1, 8)))
-    assert not plain(batch(_req(), _req(min_new_tokens=3)))
-    for penalty in (dict(frequency_penalty=0.1), dict(presence_penalty=-0.5), dict(repetition_penalty=1.2)):
-        assert not plain(batch(_req(), _req(**penalty))), penalty
+    assert step_accept_kind(batch(_req(), _req(min_new_tokens=2))) == GREEDY  # min_new_tokens already reached
+    assert step_accept_kind(batch(_req(), greedy=False)) == SAMPLED
+    for flag in ("top_k", "top_p", "min_p"):
+        assert step_accept_kind(batch(_req(), greedy=False, **{flag: True})) == FILTERED, flag
+    assert step_accept_kind(batch(_req(), greedy=False), step_samples=False) == BLOCK
+    assert step_accept_kind(batch(_req(), greedy=False, seed=torch.zeros(1))) == BLOCK
+    for greedy in (True, False):
+        assert step_accept_kind(batch(_req(), grammar=True, greedy=greedy)) == BLOCK
+        assert step_accept_kind(batch(_req(), processors=True, greedy=greedy)) == BLOCK
+        assert step_accept_kind(batch(_req(), bias=torch.zeros(1, 8), greedy=greedy)) == BLOCK
+        assert step_accept_kind(batch(_req(), _req(min_new_tokens=3), greedy=greedy)) == BLOCK
+        for penalty in (dict(frequency_penalty=0.1), dict(presence_penalty=-0.5), dict(repetition_penalty=1.2)):
+            assert step_accept_kind(batch(_req(), _req(**penalty), greedy=greedy)) == BLOCK, penalty
+
+
+def test_step_sampling_reads_sglang_sampling_info_and_fills_graph_inputs():
+    """`StepSampling.of` reads SGLang's per-request values (temperatures ``[bs, 1]``, int32 top-k) as the step's
+    ``[bs]`` parameters, its probabilities are `verify.target_probs` of them, and `copy_` writes a batch of n into the
+    first n rows of a graph's static inputs, leaving the padded rows."""
+    from sglang_dflash.adapter.sampling import StepSampling
+    from sglang_dflash.verify import target_probs
+
+    info = SimpleNamespace(temperatures=torch.tensor([[0.7], [1.3]]),
+                           top_ks=torch.tensor([3, 1 << 30], dtype=torch.int32),
+                           top_ps=torch.tensor([1.0, 0.5]), min_ps=torch.tensor([0.0, 0.1]))
+    s = StepSampling.of(info, filtered=True)
+    assert s.temperature.shape == (2,) and s.top_k.dtype == torch.int32
+    logits = torch.randn(2, 3, 11, generator=torch.Generator().manual_seed(0))
+    want = target_probs(logits, torch.tensor([0.7, 1.3]), torch.tensor([3, 1 << 30]), torch.tensor([1.0, 0.5]),
+                        torch.tensor([0.0, 0.1]))
+    torch.testing.assert_close(s.probs(logits), want)
+    assert (s.probs(logits)[0] > 0).sum(-1).tolist() == [3, 3, 3]  # top-k 3 applied
+
+    static = StepSampling(torch.full((4,), 9.0), torch.full((4,), 9, dtype=torch.int64), torch.full((4,), 9.0),
+                          torch.full((4,), 9.0), filtered=False)
+    static.copy_(info)
+    assert static.temperature.tolist() == pytest.approx([0.7, 1.3, 9.0, 9.0])
+    assert static.top_k.tolist() == [3, 1 << 30, 9, 9]
+    assert static.top_p.tolist() == [1.0, 0.5, 9.0, 9.0]
+    assert static.min_p.tolist() == pytest.approx([0.0, 0.1, 9.0, 9.0])
 
 
 def test_unsupported_request_is_refused_with_its_name():

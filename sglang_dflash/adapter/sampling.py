@@ -23,6 +23,7 @@ from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask
 
 from sglang_dflash.kernels.accept import accept_tokens
+from sglang_dflash.verify import target_probs
 
 
 @dataclass
@@ -156,6 +157,57 @@ def adjust_block_logits(
     if logit_bias is not None:
         logits.add_(logit_bias.to(logits.dtype)[:, None, :])
     return logits
+
+
+@dataclass
+class StepSampling:
+    """The sampling parameters a step draws and accepts with, per request (SGLang's SamplingBatchInfo values):
+    ``temperature`` ``[bs]`` float32 (> 0; SGLang serves a greedy request of a mixed batch as top-k 1),
+    ``top_k`` ``[bs]`` int64, ``top_p`` / ``min_p`` ``[bs]`` float32. ``filtered`` (host, fixed per captured graph):
+    some request has top-k / top-p / min-p, so the probabilities go through the sort of `verify.target_probs`."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    filtered: bool
+
+    @classmethod
+    def of(cls, info: SamplingBatchInfo, filtered: bool) -> "StepSampling":
+        """The values of SGLang's ``info`` (views, no copy)."""
+        return cls(info.temperatures.view(-1), info.top_ks, info.top_ps, info.min_ps, filtered)
+
+    def copy_(self, info: SamplingBatchInfo) -> None:
+        """Write ``info``'s values for its n requests into the first n rows (the static inputs of a step graph)."""
+        src = self.of(info, self.filtered)
+        n = src.temperature.shape[0]
+        for name in ("temperature", "top_k", "top_p", "min_p"):
+            getattr(self, name)[:n].copy_(getattr(src, name))
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits ``[bs, n, V]`` -> float32 probabilities under each request's parameters (`verify.target_probs`)."""
+        return target_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p,
+                            needs_filter=self.filtered, any_greedy=False)
+
+
+# How a decode step accepts: its own greedy accept; its own sampled accept, without or with the top-k / top-p /
+# min-p sort (`StepSampling.filtered`); or the greedy step followed by `BlockSampler.accept` on its logits.
+GREEDY, SAMPLED, FILTERED, BLOCK = "greedy", "sampled", "filtered", "block"
+
+
+def step_accept_kind(batch, step_samples: bool = True) -> str:
+    """`GREEDY` / `SAMPLED` / `FILTERED` / `BLOCK` for a decode ``batch`` (host flags only, no sync). BLOCK where
+    the logits need more than the requests' temperature and filters (grammars, penalties, min_new_tokens, logit
+    bias, custom processors), for seeded sampling (deterministic inference: SGLang's seeded draw), and for every
+    sampled batch when ``step_samples`` is False (tensor parallelism: the ranks' draws must agree, and the drafts
+    are drawn over the whole vocabulary)."""
+    if plain_greedy(batch):
+        return GREEDY
+    info = batch.sampling_info
+    if (not step_samples or info.is_all_greedy or info.logit_bias is not None or info.sampling_seed is not None
+            or reads_output_history(batch)):
+        return BLOCK
+    return FILTERED if info.need_top_k_sampling or info.need_top_p_sampling or info.need_min_p_sampling else SAMPLED
 
 
 # ---------------------------------------------------------------- the accept decision of a verify block

@@ -15,9 +15,14 @@ Both forwards are TARGET_VERIFY-shaped batches at the request's reserved KV slot
 same token slots: the draft's block is ``[bonus, MASK x (B-1)]`` at positions ``seq_len + arange(B)``; the target
 verifies the first ``w`` of them, ``[bonus, d_1 .. d_{w-1}]``, where ``w`` is the step's verify width
 (`StepBatch.width`, `sglang_dflash.policy`; B unless chosen otherwise). Width 1 is a plain decode step: no draft
-forward, the target decodes the bonus token and the draft's context K/V for it is still written. The result's
-accept is the greedy one (the target's argmax); a batch that needs more (sampling, grammars, penalties, custom
-processors) accepts on ``StepResult.logits`` with `sampling.BlockSampler`.
+forward, the target decodes the bonus token and the draft's context K/V for it is still written.
+
+The accept is the step's own in two cases: greedy (the target's argmax), and sampling under the requests' temperature /
+top-k / top-p / min-p (`sampling.StepSampling`): each draft d_k is drawn from the draft's law q_k under the request's
+parameters, and the verify keeps it with probability min(1, p_k(d_k) / q_k(d_k)), else draws from max(p_k - q_k, 0)
+(`sglang_dflash.verify`, the one copy of the rule). A batch whose logits need more (grammars, penalties, min_new_tokens,
+logit bias, custom processors, seeded sampling) runs the greedy step and accepts on ``StepResult.logits`` with
+`sampling.BlockSampler`.
 """
 
 from __future__ import annotations
@@ -34,10 +39,12 @@ from sglang.srt.model_executor.forward_context import ForwardContext, forward_co
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 from sglang_dflash.adapter import compat
-from sglang_dflash.adapter.sampling import greedy_accept
+from sglang_dflash.adapter.sampling import StepSampling, greedy_accept
 from sglang_dflash.adapter.spec_inputs import DFlashBlockInput
 from sglang_dflash.adapter.tp import vocab_argmax
+from sglang_dflash.kernels.accept import accept_tokens
 from sglang_dflash.kernels.block_builder import build_block
+from sglang_dflash.verify import draw, sample_predictions
 
 # SGLang reserves KV slot 0 for padding: padded rows of a captured step write there.
 PADDING_SLOT = 0
@@ -92,17 +99,24 @@ class StepResult:
 class StepBatch:
     """The tensors one step reads and writes, and the two ForwardBatches over them.
 
-    Inputs: ``bonus`` ``[bs]``, ``seq_lens`` ``[bs]`` int64 committed lengths, ``req_pool_indices`` ``[bs]`` int64
-    and, for padded captures, ``valid`` ``[bs]`` bool (False rows write their KV to the padding slot). ``width``: the
-    target's verify width w (1..B; 1 = plain decode, no draft forward). Draft block tensors ``input_ids`` /
-    ``positions`` / ``loc`` ``[bs * B]`` (absent at width 1); the target's ``verify_ids`` / ``verify_positions`` /
-    ``verify_loc`` ``[bs * w]`` (the draft's own tensors at w = B); ``accept_out``: the buffers the greedy accept
-    writes (None: fresh tensors). ``seq_lens_cpu`` (host plans only) are the committed lengths on the host.
+    Inputs: ``bonus`` ``[bs]``, ``seq_lens`` ``[bs]`` int64 committed lengths, ``req_pool_indices`` ``[bs]`` int64 and,
+    for padded captures, ``valid`` ``[bs]`` bool (False rows write their KV to the padding slot). ``width``: the
+    target's verify width w (1..B; 1 = plain decode, no draft forward). ``sampling``: the requests' `StepSampling`
+    (drafts drawn, speculative-sampling accept), or None (argmax drafts, greedy accept). Draft block tensors
+    ``input_ids`` / ``positions`` / ``loc`` ``[bs * B]`` (absent at width 1); the target's ``verify_ids`` /
+    ``verify_positions`` / ``verify_loc`` ``[bs * w]`` (the draft's own tensors at w = B); ``accept_out``: the buffers
+    the greedy accept writes (None: fresh tensors). ``seq_lens_cpu`` (host plans only) are the committed lengths on the
+    host.
     """
 
     def __init__(self, m: StepModels, bonus, seq_lens, req_pool_indices, valid=None, seq_lens_cpu=None,
-                 accept_out=None, logits_buffer=None, width: int | None = None):
+                 accept_out=None, logits_buffer=None, width: int | None = None,
+                 sampling: StepSampling | None = None):
         bs, B = seq_lens.shape[0], m.block_size
+        if sampling is not None and m.vocab_group is not None:
+            raise ValueError("a sampled DFLASH step draws its drafts over the whole vocabulary; under a split "
+                             "vocabulary (tensor parallelism) accept with sampling.BlockSampler instead")
+        self.sampling = sampling
         w = self.width = B if width is None else width
         dev = seq_lens.device
         self.bs, self.bonus, self.seq_lens, self.req_pool_indices, self.valid = bs, bonus, seq_lens, req_pool_indices, valid
@@ -161,17 +175,26 @@ class HostPlan:
         m.target_backend.init_forward_metadata(b.target_fb)
 
 
-def propose(m: StepModels, hidden: torch.Tensor, input_ids: torch.Tensor, bs: int, width: int | None = None
-            ) -> torch.Tensor:
-    """Draft hidden states [bs * B, H] and block input_ids [bs * B] -> draft_tokens [bs, w] (w = ``width``,
-    default B): column 0 = the bonus token, 1.. = argmax of the draft's logits at block positions 1..w-1 (the
-    target's lm_head, then ``m.draft_logits``; over every rank's vocabulary shard under tensor parallelism,
-    `tp.vocab_argmax`). Only the verified positions are scored."""
+def propose(m: StepModels, hidden: torch.Tensor, input_ids: torch.Tensor, bs: int, width: int | None = None,
+            sampling: StepSampling | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draft hidden states [bs * B, H] and block input_ids [bs * B] -> (draft_tokens [bs, w], their law) (w =
+    ``width``, default B): column 0 = the bonus token, 1.. = the drafts of block positions 1..w-1 from the draft's
+    logits there (the target's lm_head, then ``m.draft_logits``). Greedy (``sampling`` None): the argmax (over every
+    rank's vocabulary shard under tensor parallelism, `tp.vocab_argmax`), law None. Sampling: a draw from the
+    draft's law under the requests' parameters, returned as ``[bs, w-1, V]`` float32. Only the verified positions
+    are scored."""
     B = m.block_size
     w = B if width is None else width
     scores = m.draft_logits(torch.matmul(hidden.view(bs, B, -1)[:, 1:w], m.lm_head_weight.t()))
-    drafts = scores.argmax(dim=-1) if m.vocab_group is None else vocab_argmax(scores, m.vocab_start, m.vocab_group)
-    return torch.cat([input_ids.view(bs, B)[:, :1], drafts], dim=1)
+    law = None
+    if sampling is not None:
+        law = sampling.probs(scores)
+        drafts = draw(law)
+    elif m.vocab_group is None:
+        drafts = scores.argmax(dim=-1)
+    else:
+        drafts = vocab_argmax(scores, m.vocab_start, m.vocab_group)
+    return torch.cat([input_ids.view(bs, B)[:, :1], drafts], dim=1), law
 
 
 def decode_step(m: StepModels, b: StepBatch, plan: Callable[[StepModels, StepBatch], None]) -> StepResult:
@@ -197,14 +220,18 @@ def decode_step(m: StepModels, b: StepBatch, plan: Callable[[StepModels, StepBat
         set_dp_buffer_len(None, bs * B, False, None)
         with forward_context(ForwardContext(attn_backend=m.draft_backend)):
             hidden = m.draft_model(ids, pos, b.draft_fb, input_embeds=m.embed(ids)).hidden_states
-        draft_tokens = propose(m, hidden, ids, bs, w)
+        draft_tokens, law = propose(m, hidden, ids, bs, w, b.sampling)
         b.verify_ids.copy_(draft_tokens.view(-1))
     else:
-        draft_tokens = b.verify_ids.view(bs, 1)
+        draft_tokens, law = b.verify_ids.view(bs, 1), None
     set_dp_buffer_len(None, bs * w, False, None)
     with forward_context(ForwardContext(attn_backend=m.target_backend)):
         out = m.target_model(b.verify_ids, b.verify_positions, b.target_fb)
     m.commit_kv(out.hidden_states, b.verify_positions, b.verify_loc)
     logits = out.next_token_logits
-    accept = greedy_accept(draft_tokens, logits, b.seq_lens, out=b.accept_out)
+    if b.sampling is None:
+        accept = greedy_accept(draft_tokens, logits, b.seq_lens, out=b.accept_out)
+    else:
+        target_tokens = sample_predictions(draft_tokens, b.sampling.probs(logits.view(bs, w, -1)), draft_probs=law)
+        accept = accept_tokens(draft_tokens, target_tokens, b.seq_lens, out=b.accept_out)
     return StepResult(draft_tokens, logits, *accept)

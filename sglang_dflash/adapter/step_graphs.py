@@ -21,6 +21,12 @@ a narrower step replays a graph as well (an eager step would read the committed 
 stops the overlap schedule). The draft forward always runs the whole block, so a batch size's draft wrappers serve
 all its widths; the target's wrappers are per (size, width). Each owns an 8 MiB FlashInfer int workspace.
 
+Accept kinds (`sampling.step_accept_kind`): each (size, width) is captured greedy and, where the sampled step's
+vocabulary-sized float32 temporaries fit `SAMPLED_ROWS_BYTES` per tensor (and the vocabulary is not split), also
+sampled without and with the top-k / top-p / min-p sort: the drafts are drawn and accepted inside the graph, with
+the requests' parameters as four more static inputs and CUDA's graph-safe random numbers. The kinds of one
+(size, width) share its wrappers.
+
 Each captured graph's wrappers are its own (created through the backends' capture path and then taken out of
 ``prefill_cuda_graph_metadata``, which belongs to SGLang's per-runner graphs). This module sees the step's
 `StepModels`, never the worker.
@@ -38,6 +44,7 @@ from sglang.srt.distributed.parallel_state import graph_capture
 
 from sglang_dflash.adapter import compat
 from sglang_dflash.adapter.hybrid import GraphStates, full_attention_backend
+from sglang_dflash.adapter.sampling import FILTERED, GREEDY, SAMPLED, StepSampling
 from sglang_dflash.adapter.spec_inputs import write_block_kv_layout
 from sglang_dflash.adapter.step import StepBatch, StepModels, StepResult, decode_step, padded_rows
 from sglang_dflash.kernels.attention_plan import split_kv_plan
@@ -45,15 +52,19 @@ from sglang_dflash.kernels.attention_plan import split_kv_plan
 logger = logging.getLogger(__name__)
 
 SEQ_LEN_FILL = 1  # committed length of padded rows (FlashInfer needs kv_len >= 1 per row)
+# A sampled step holds a few [bs * width, V] float32 tensors (probabilities of the draft and the target, the
+# residual, the race); its graph is captured where one of them fits this (the graphs share one memory pool).
+SAMPLED_ROWS_BYTES = 256 << 20
 
 
-def capture(m: StepModels, runners: Sequence, backend: str, hybrid: bool, widths: Sequence[int], device
-            ) -> StepGraphs | None:
-    """`decode_step` captured for the batch sizes both ``runners`` (target, draft) captured x ``widths``, where it
-    can be: CUDA graphs on, FlashInfer's fa2 prefill with one wrapper per model (a ``hybrid`` target's full-attention
-    layers included; its linear-attention layers as `hybrid.GraphStates`), an SGLang without the KV-location plan
-    (`compat.VERIFY_ARGS_KEYWORD_PLAN`; 0.5.23 pins a FlashInfer the device plan was not checked against anyway), a
-    FlashInfer its device plan was checked against. None (the step runs eagerly, logged) otherwise."""
+def capture(m: StepModels, runners: Sequence, backend: str, hybrid: bool, widths: Sequence[int], device,
+            sampled: bool = True) -> StepGraphs | None:
+    """`decode_step` captured for the batch sizes both ``runners`` (target, draft) captured x ``widths`` (x the sampled
+    accept kinds where they fit, if ``sampled``), where it can be: CUDA graphs on, FlashInfer's fa2 prefill with one
+    wrapper per model (a ``hybrid`` target's full-attention layers included; its linear-attention layers as
+    `hybrid.GraphStates`), an SGLang without the KV-location plan (`compat.VERIFY_ARGS_KEYWORD_PLAN`; 0.5.23 pins a
+    FlashInfer the device plan was not checked against anyway), a FlashInfer its device plan was checked against. None
+    (the step runs eagerly, logged) otherwise."""
     if not str(device).startswith("cuda") or any(r.decode_cuda_graph_runner is None for r in runners):
         return None
     paged = [full_attention_backend(r.attn_backend) for r in runners]
@@ -68,9 +79,11 @@ def capture(m: StepModels, runners: Sequence, backend: str, hybrid: bool, widths
         logger.info("sglang-dflash: the decode step runs eagerly (%s)", reason)
         return None
     sizes = sorted(set.intersection(*(set(r.decode_cuda_graph_runner.capture_bs) for r in runners)))
-    graphs = StepGraphs(m, sizes, widths, runners[0].model_config.vocab_size, device, hybrid)
-    logger.info("sglang-dflash: decode step captured as one CUDA graph for batch sizes %s x verify widths %s",
-                sizes, widths)
+    graphs = StepGraphs(m, sizes, widths, runners[0].model_config.vocab_size, device, hybrid, sampled)
+    sampled = sorted({(bs, w) for bs, w, kind in graphs.captured if kind == SAMPLED})
+    logger.info("sglang-dflash: decode step captured as one CUDA graph for batch sizes %s x verify widths %s; "
+                "sampled steps for %s (batch size, width) pairs up to %s rows", sizes, widths, len(sampled),
+                max((bs * w for bs, w in sampled), default=0))
     return graphs
 
 
@@ -133,20 +146,21 @@ class GraphPlan:
 
 
 class _Captured:
-    """One (batch size, width): its graph, the static `StepBatch` it reads and writes, its `GraphPlan` (whose wrappers own
-    buffers the graph reads: kept alive with it), its outputs, and ``packed``, the one int64 buffer the greedy
-    accept writes (`unpack`; a replay copies it out in one launch)."""
+    """One (batch size, width, accept kind): its graph, the static `StepBatch` it reads and writes, its `GraphPlan`
+    (whose wrappers own buffers the graph reads: kept alive with it), its outputs, and ``packed``, the one int64
+    buffer the accept writes (`unpack`; a replay copies it out in one launch)."""
 
     def __init__(self, graph, batch: StepBatch, plan: GraphPlan, outputs: StepResult, packed: torch.Tensor):
         self.graph, self.batch, self.plan, self.outputs, self.packed = graph, batch, plan, outputs, packed
 
 
 class StepGraphs:
-    """`decode_step` captured for ``batch_sizes`` x ``widths`` (FlashInfer, CUDA); ``vocab_size``: the target's logits
-    width; ``hybrid``: the target has linear-attention layers."""
+    """`decode_step` captured for ``batch_sizes`` x ``widths`` x accept kinds (FlashInfer, CUDA); ``vocab_size``: the
+    target's logits width; ``hybrid``: the target has linear-attention layers; ``sampled``: capture the sampled
+    kinds where they fit (`SAMPLED_ROWS_BYTES`)."""
 
     def __init__(self, m: StepModels, batch_sizes: Sequence[int], widths: Sequence[int], vocab_size: int, device,
-                 hybrid: bool = False):
+                 hybrid: bool = False, sampled: bool = True):
         self.m, self.B, self.hybrid = m, m.block_size, hybrid
         self.sizes = sorted({int(b) for b in batch_sizes})
         self.widths = sorted({int(w) for w in widths})
@@ -155,13 +169,17 @@ class StepGraphs:
         self.seq_lens = torch.full((max_bs,), SEQ_LEN_FILL, dtype=torch.int64, device=dev)
         self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.valid = torch.zeros(max_bs, dtype=torch.bool, device=dev)
+        ones = lambda dtype: torch.ones(max_bs, dtype=dtype, device=dev)  # noqa: E731
+        self.sampling = StepSampling(ones(torch.float32), ones(torch.int64), ones(torch.float32),
+                                     torch.zeros(max_bs, dtype=torch.float32, device=dev), filtered=False)
+        sampled_rows = SAMPLED_ROWS_BYTES // (4 * vocab_size) if sampled and m.vocab_group is None else 0
         # one float logits buffer for every graph (SGLang's logits processor copies into it): per-graph logits
         # outputs would each stay alive with their graph
         self.logits = torch.zeros((max_bs * self.B, vocab_size), dtype=torch.float, device=dev)
         self.qo_indptr = {rows: torch.arange(0, (max_bs + 1) * rows, rows, dtype=torch.int32, device=dev)
                           for rows in {*self.widths, self.B}}
         self.plan_scratch = torch.zeros(3 * triton_next_power_of_2(max_bs), dtype=torch.int32, device=dev)
-        self.captured: dict[tuple[int, int], _Captured] = {}
+        self.captured: dict[tuple[int, int, str], _Captured] = {}
         pool = None
         # SGLang's capture context: under tensor parallelism the draft's and the target's all-reduces / gathers
         # go to the communicators that can be captured (PyNccl, custom all-reduce), as in SGLang's own graphs
@@ -169,17 +187,26 @@ class StepGraphs:
             for bs in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool
                 draft = None  # (layout, plan, forward_metadata) of this size's draft wrappers, shared by its widths
                 for w in reversed(self.widths):
-                    c, draft = self._capture(bs, w, draft, context.stream, pool, dev)
-                    self.captured[(bs, w)] = c
-                    pool = c.graph.pool()
+                    kinds = (FILTERED, SAMPLED, GREEDY) if bs * w <= sampled_rows else (GREEDY,)
+                    target = None  # (layout, plan) of this (size, width)'s target wrappers, shared by its kinds
+                    for kind in kinds:
+                        c, draft, target = self._capture(bs, w, kind, draft, target, context.stream, pool, dev)
+                        self.captured[(bs, w, kind)] = c
+                        pool = c.graph.pool()
 
     # ---- capture -------------------------------------------------------------------------
-    def _capture(self, bs: int, w: int, draft, stream: torch.cuda.Stream, pool, dev):
-        """-> (the graph of ``bs`` requests at width ``w``, this size's draft wrappers for its next widths)."""
+    def _capture(self, bs: int, w: int, kind: str, draft, target, stream: torch.cuda.Stream, pool, dev):
+        """-> (the graph of ``bs`` requests at width ``w`` accepting by ``kind``, this size's draft wrappers for its
+        next widths, this (size, width)'s target wrappers for its next kinds)."""
         m, B = self.m, self.B
         packed = torch.zeros(bs * (w + 3), dtype=torch.int64, device=dev)
+        sampling = None
+        if kind != GREEDY:
+            t = self.sampling
+            sampling = StepSampling(t.temperature[:bs], t.top_k[:bs], t.top_p[:bs], t.min_p[:bs], kind == FILTERED)
         b = StepBatch(m, self.bonus[:bs], self.seq_lens[:bs], self.req_pool_indices[:bs], valid=self.valid[:bs],
-                      accept_out=unpack(packed, bs, w), logits_buffer=self.logits[: bs * w], width=w)
+                      accept_out=unpack(packed, bs, w), logits_buffer=self.logits[: bs * w], width=w,
+                      sampling=sampling)
         self.valid[:bs].fill_(False)  # capture and warm-up write only to the padding slot
         layouts, plans = [], []
         if b.draft_fb is not None:
@@ -192,11 +219,16 @@ class StepGraphs:
             m.draft_backend.forward_metadata = draft[2]  # what the draft forward reads while being captured
             layouts += draft[0]
             plans += draft[1]
-        target = full_attention_backend(m.target_backend)
-        wrappers = _prepare_wrappers(target, b.target_fb, bs)
-        be = target.indices_updater_prefill
-        layouts += [(wr, w, self.qo_indptr[w]) for wr in wrappers]
-        plans += [DevicePlan(wr, bs, w, be.num_qo_heads, be.num_kv_heads, self.plan_scratch) for wr in wrappers]
+        backend = full_attention_backend(m.target_backend)
+        if target is None:
+            wrappers = _prepare_wrappers(backend, b.target_fb, bs)
+            be = backend.indices_updater_prefill
+            target = ([(wr, w, self.qo_indptr[w]) for wr in wrappers],
+                      [DevicePlan(wr, bs, w, be.num_qo_heads, be.num_kv_heads, self.plan_scratch) for wr in wrappers],
+                      backend.forward_metadata)
+        backend.forward_metadata = target[2]  # what the target forward reads while being captured
+        layouts += target[0]
+        plans += target[1]
         states = GraphStates(m.target_backend, self.qo_indptr[w], bs, w) if self.hybrid else None
         if states is not None:
             states.install()  # what the target's linear-attention layers read while being captured
@@ -213,24 +245,28 @@ class StepGraphs:
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 outputs = decode_step(m, b, plan)
         torch.cuda.synchronize(dev)
-        return _Captured(graph, b, plan, outputs, packed), draft
+        return _Captured(graph, b, plan, outputs, packed), draft, target
 
     # ---- replay --------------------------------------------------------------------------
     def padded_size(self, n: int) -> int | None:
         """The captured batch size a batch of n requests replays (None: larger than every capture)."""
         return padded_rows(n, self.sizes)
 
-    def serves(self, n: int, width: int) -> bool:
-        """Whether a step of n requests at ``width`` replays a graph (else it runs eagerly)."""
-        return width in self.widths and self.padded_size(n) is not None
+    def serves(self, n: int, width: int, kind: str = GREEDY) -> bool:
+        """Whether a step of n requests at ``width`` accepting by ``kind`` replays a graph (else it runs eagerly)."""
+        m = self.padded_size(n)
+        return m is not None and (m, width, kind) in self.captured
 
     def replay(self, bonus_tokens: torch.Tensor, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor,
-               width: int) -> StepResult:
-        """One decode step of n requests (at most the largest captured size) at a captured ``width``; returns the
-        real rows' results."""
+               width: int, kind: str = GREEDY, info=None) -> StepResult:
+        """One decode step of n requests (at most the largest captured size) at a captured ``width``, accepting by
+        ``kind`` (sampled kinds: with the parameters of SGLang's SamplingBatchInfo ``info``); returns the real rows'
+        results."""
         n = seq_lens.shape[0]
         m = self.padded_size(n)
-        c = self.captured[(m, width)]
+        c = self.captured[(m, width, kind)]
+        if kind != GREEDY:
+            self.sampling.copy_(info)
         self.bonus[:n].copy_(bonus_tokens)
         self.seq_lens[:n].copy_(seq_lens)
         self.req_pool_indices[:n].copy_(req_pool_indices)

@@ -1,9 +1,11 @@
 """`DFlashWorker`: the speculative worker SGLang's scheduler drives for DFLASH (SGLang's worker protocol only).
 
-A decode call runs `step.decode_step` (build block -> draft -> verify -> commit draft KV -> greedy accept) --
-replayed from `step_graphs.StepGraphs` on FlashInfer for the captured batch sizes, eagerly with a host attention
-plan otherwise -- then takes the greedy accept or, for batches that need more (sampling, grammars, penalties,
-custom logit processors), `sampling.BlockSampler.accept` on the step's logits. A prefill call is the target's own
+A decode call runs `step.decode_step` (build block -> draft -> verify -> commit draft KV -> accept) -- replayed
+from `step_graphs.StepGraphs` on FlashInfer for the captured batch sizes, eagerly with a host attention plan
+otherwise. The step's own accept is greedy, or sampled with the requests' temperature and filters (drafts drawn
+from the draft's law, speculative sampling); batches that need more (grammars, penalties, min_new_tokens, logit
+bias, custom logit processors, seeded sampling) take `sampling.BlockSampler.accept` on the greedy step's logits
+(`sampling.step_accept_kind`). A prefill call is the target's own
 extend with hidden-state capture followed by the draft's context K/V for the prompt tokens
 (`StepModels.commit_kv`); the scheduler gets `spec_inputs`' results.
 
@@ -28,7 +30,7 @@ from sglang.srt.speculative.draft_worker_common import build_draft_tp_worker
 
 from sglang_dflash.adapter import compat, cpu_attention, hybrid, profiling, step_graphs
 from sglang_dflash.adapter.draft_model import SGLangDFlashDraft, capture_target_layers
-from sglang_dflash.adapter.sampling import BlockSampler, plain_greedy
+from sglang_dflash.adapter.sampling import BLOCK, FILTERED, GREEDY, BlockSampler, StepSampling, step_accept_kind
 from sglang_dflash.adapter.spec_inputs import (decode_result, extend_positions, host_to_device, idle_result,
                                                 prefill_result)
 from sglang_dflash.adapter.step import HostPlan, StepBatch, StepModels, decode_step
@@ -135,7 +137,7 @@ class DFlashWorker(BaseSpecWorker):
         super().init_cuda_graphs()
         self.step_graphs = step_graphs.capture(self.models, (self.target_runner, self.draft_runner), self.backend,
                                                self.state_commit is not None, self.widths.possible_widths(),
-                                               self.device)
+                                               self.device, sampled=self.tp_group is None)
 
     @property
     def spec_v2_attn_backends(self) -> tuple:
@@ -189,15 +191,19 @@ class DFlashWorker(BaseSpecWorker):
         seq_lens, rows = batch.seq_lens.to(torch.int64), batch.req_pool_indices.to(torch.int64)
         bs = batch.batch_size()
         width = self.widths.choose(bs)
-        graphed = self.step_graphs is not None and self.step_graphs.serves(bs, width)
+        kind = step_accept_kind(batch, step_samples=self.tp_group is None)
+        step_kind = GREEDY if kind == BLOCK else kind
+        graphed = self.step_graphs is not None and self.step_graphs.serves(bs, width, step_kind)
         if graphed:
-            res = self.step_graphs.replay(bonus, seq_lens, rows, width)
+            res = self.step_graphs.replay(bonus, seq_lens, rows, width, step_kind, batch.sampling_info)
         else:  # host plan: the lengths on the host (copied here when SGLang did not mirror them)
             if batch.seq_lens_cpu is None:
                 batch.seq_lens_cpu = batch.seq_lens.cpu()
-            b = StepBatch(self.models, bonus, seq_lens, rows, seq_lens_cpu=batch.seq_lens_cpu, width=width)
+            sampling = None if step_kind == GREEDY else StepSampling.of(batch.sampling_info, kind == FILTERED)
+            b = StepBatch(self.models, bonus, seq_lens, rows, seq_lens_cpu=batch.seq_lens_cpu, width=width,
+                          sampling=sampling)
             res = decode_step(self.models, b, HostPlan())
-        if plain_greedy(batch):
+        if kind != BLOCK:
             accepted = res.accept_lens, res.bonus_tokens, res.committed, res.new_seq_lens
         else:
             accepted = self.sampler.accept(batch, res.draft_tokens, res.logits)

@@ -135,7 +135,8 @@ def _patch_step_oracle(module) -> None:
         return build_block(bonus, seq_lens, *args, **kwargs)
 
     def oracle_propose(m, hidden, input_ids, bs, *args, **kwargs):
-        drafts = propose(m, hidden, input_ids, bs, *args, **kwargs)  # [bs, w]: the bonus, w - 1 drafts
+        drafts, law = propose(m, hidden, input_ids, bs, *args, **kwargs)  # [bs, w]: the bonus, w - 1 drafts
+        assert law is None, "the oracle draft replaces argmax drafts: greedy requests only"
         B, vocab = drafts.shape[1], m.lm_head_weight.shape[0]
         for i, (pos, bonus) in enumerate(zip(seen["seq_lens"].tolist(), drafts[:, 0].tolist())):
             conts = index.get((pos, bonus))
@@ -151,7 +152,7 @@ def _patch_step_oracle(module) -> None:
                 drafts[i, 1 + j] = agreed[j]
             if n < min(len(agreed), B - 1):
                 drafts[i, 1 + n] = (agreed[n] + 1) % vocab
-        return drafts
+        return drafts, law
 
     module.build_block, module.propose = recording_build_block, oracle_propose
     print("TEST: oracle draft", file=sys.stderr, flush=True)
