@@ -8,7 +8,9 @@ batch size. ``w1`` pins the verify width to 1 (a plain decode step plus the draf
 chooses; `--servers nospec,w1,adaptive`). The difference of ``w1`` / ``fixed`` to no-spec is the DFLASH path's own
 per-step cost (host work and launches at a small target; the verify itself at a large one), with acceptance and
 the width policy out of the picture. With ``--held-out`` and a trained draft the requests are real prompts: a step
-then commits what it accepts, and ms per step reads as ms per committed token.
+then commits what it accepts, ms per step reads as ms per committed token, and the table adds the requests' accept
+length (tokens per decode step, from their ``meta_info``) beside the tokens per batch step (which falls below it when
+sampled requests drift apart and a pass ends on steps of its last requests).
 
     python benchmarks/bench_batch_steps.py --out DIR                  # random_checkpoints.py's tiny shape, built here
     python benchmarks/bench_batch_steps.py --target T --draft D --out DIR --concurrency 64
@@ -53,25 +55,35 @@ def flags(concurrency: int) -> list[str]:
 
 
 def load(server: Server, concurrency: int, new_tokens: int, prompt_len: int = 5, temperature: float = 0.0,
-         prompts: list[list[int]] | None = None) -> float:
-    """Seconds for ``concurrency`` concurrent requests of ``new_tokens`` tokens at ``temperature`` (above 0: DFLASH
-    accepts by sampling), request i on ``prompts[i % len(prompts)]`` or else a distinct synthetic prompt of
-    ``prompt_len`` tokens."""
-    def one(i: int) -> int:
+         prompts: list[list[int]] | None = None) -> tuple[float, float | None]:
+    """(seconds, `accept_length` of the replies) for ``concurrency`` concurrent requests of ``new_tokens`` tokens at
+    ``temperature`` (above 0: DFLASH accepts by sampling), request i on ``prompts[i % len(prompts)]`` or else a
+    distinct synthetic prompt of ``prompt_len`` tokens."""
+    def one(i: int) -> dict:
         synthetic = [10 + i, 20 + i] + [30 + (7 * j) % 1000 for j in range(prompt_len - 2)]
         ids = prompts[i % len(prompts)] if prompts else synthetic
         r = requests.post(server.url + "/generate", timeout=1800, json={
             "input_ids": ids,
             "sampling_params": {"temperature": temperature, "max_new_tokens": new_tokens, "ignore_eos": True}})
         r.raise_for_status()
-        return r.json()["meta_info"]["completion_tokens"]
+        return r.json()["meta_info"]
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as ex:
-        done = list(ex.map(one, range(concurrency)))
+        metas = list(ex.map(one, range(concurrency)))
+    seconds = time.perf_counter() - t0
+    done = [m["completion_tokens"] for m in metas]
     if done != [new_tokens] * concurrency:
         raise SystemExit(f"{server.name}: replies of {sorted(set(done))} tokens, expected {new_tokens}")
-    return time.perf_counter() - t0
+    return seconds, accept_length(metas)
+
+
+def accept_length(metas: list[dict]) -> float | None:
+    """Tokens a request commits per decode step, pooled over replies' ``meta_info`` (the first token of each comes
+    from the prefill; ``spec_verify_ct`` counts its decode steps); None without speculation (no step count)."""
+    if not metas or any(not m.get("spec_verify_ct") for m in metas):
+        return None
+    return sum(m["completion_tokens"] - 1 for m in metas) / sum(m["spec_verify_ct"] for m in metas)
 
 
 def held_out_prompts(target: Path, n: int) -> list[list[int]]:
@@ -85,9 +97,10 @@ def held_out_prompts(target: Path, n: int) -> list[list[int]]:
 
 
 def tokens_per_step(widths: dict[str, int], new_tokens: int, repeats: int) -> float:
-    """Tokens each request commits per decode step over ``repeats`` passes of ``new_tokens`` tokens (the first of
-    each comes from the prefill), from a DFLASH server's steps per width in them (the requests run in step: one
-    batch step serves all); 1.0 for no-spec ({})."""
+    """Tokens per request per batch decode step over ``repeats`` passes of ``new_tokens`` tokens (the first of each
+    comes from the prefill), from a DFLASH server's steps per width in them; 1.0 for no-spec ({}). Below the
+    requests' `accept_length` when they drift apart (sampled acceptance): the last requests of a pass then run
+    steps of their own."""
     steps = sum(widths.values())
     return (new_tokens - 1) * repeats / steps if steps else 1.0
 
@@ -194,7 +207,7 @@ def main() -> None:
                 raise SystemExit(f"{name}: {server.error}; see {server.log}")
             one_pass()  # warm-up
             widths_before = verify_widths(server)
-            passes = [one_pass() for _ in range(args.repeats)]
+            passes, accepts = zip(*[one_pass() for _ in range(args.repeats)])
             widths = steps_between(widths_before, verify_widths(server))
             if args.kernel_profile:
                 trace_dir = start_kernel_profile(server, args.kernel_profile, out)
@@ -206,8 +219,10 @@ def main() -> None:
             server.stop()
         ms = statistics.median(passes) / args.new_tokens * 1e3
         per_step = tokens_per_step(widths, args.new_tokens, args.repeats)
-        results["servers"][name] = {"seconds": passes, "ms_per_step": ms, "steps_per_width": widths,
-                                    "tokens_per_step": per_step, "ms_per_decode_step": ms * per_step}
+        accept = statistics.mean(accepts) if None not in accepts else 1.0
+        results["servers"][name] = {"seconds": list(passes), "ms_per_step": ms, "steps_per_width": widths,
+                                    "accept_length": accept, "tokens_per_step": per_step,
+                                    "ms_per_decode_step": ms * per_step}
         if args.kernel_profile:
             results["servers"][name]["kernel_profile"] = profile
         print(f"{name}: {ms:.2f} ms per step (passes {', '.join(f'{s:.2f}' for s in passes)} s)"
@@ -217,11 +232,11 @@ def main() -> None:
     context = "held-out prompts" if args.held_out else f"{args.prompt_len}-token prompts"
     print(f"\n{args.concurrency} concurrent requests x {args.new_tokens} tokens after {context}, "
           f"temperature {args.temperature:g}, {results['device']}")
-    print("| server | ms per step (per token) | vs no-spec | tokens per decode step | ms per decode step |\n"
-          "|---|---|---|---|---|")
+    print("| server | ms per step (per token) | vs no-spec | accept length | tokens per batch step | "
+          "ms per batch step |\n|---|---|---|---|---|---|")
     for name, r in results["servers"].items():
         ratio = f"{ref / r['ms_per_step']:.2f}x" if ref else "—"
-        print(f"| {name} | {r['ms_per_step']:.2f} | {ratio} | {r['tokens_per_step']:.2f} | "
+        print(f"| {name} | {r['ms_per_step']:.2f} | {ratio} | {r['accept_length']:.2f} | {r['tokens_per_step']:.2f} | "
               f"{r['ms_per_decode_step']:.2f} |")
     for name, r in results["servers"].items():
         prof = r.get("kernel_profile")

@@ -335,3 +335,7 @@ def test_batch_step_held_out_prompts_interleave_the_three_sets_with_the_chat_tem
     assert steps.tokens_per_step({"2": 531, "8": 120, "1": 17}, 256, 3) == pytest.approx(765 / 668)
     assert steps.tokens_per_step({"1": 15}, 16, 1) == 1.0  # nothing accepted
     assert steps.tokens_per_step({}, 256, 3) == 1.0
+    # per request: (completion tokens - the prefill's) / decode steps, pooled over the replies
+    metas = [{"completion_tokens": 256, "spec_verify_ct": 170}, {"completion_tokens": 256, "spec_verify_ct": 85}]
+    assert steps.accept_length(metas) == pytest.approx(510 / 255)
+    assert steps.accept_length([{"completion_tokens": 256}]) is None  # no-spec: no step count

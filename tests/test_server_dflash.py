@@ -821,6 +821,25 @@ def test_decode_logprobs_match_nospec(nospec, dflash, tokenizer):
                                                                     abs=LOGPROB_ABS)
 
 
+def test_sampled_decode_logprobs_are_the_targets(nospec, dflash, tokenizer):
+    """return_logprob at T=1 (the step's own sampled accept): each committed token's logprob is the target's
+    log-probability of it after the tokens before it, which no-spec's prompt scoring of prompt + reply gives."""
+    from sglang_dflash import data
+
+    ids = chat_ids(tokenizer, data.apply_chat(["Write a line about the sea."], tokenizer))[0]
+    got = dflash.post("/generate", {"input_ids": ids, "return_logprob": True,
+                                    "sampling_params": {"temperature": 1.0, "max_new_tokens": 24, "ignore_eos": True}})
+    out = got["output_ids"]
+    g = got["meta_info"]["output_token_logprobs"]
+    assert len(out) == 24 and [t for _, t, _ in g] == out
+    assert got["meta_info"]["spec_verify_ct"] < 24  # some drafts were accepted
+    score = nospec.post("/generate", {"input_ids": ids + out, "sampling_params": {"max_new_tokens": 0},
+                                      "return_logprob": True, "logprob_start_len": len(ids) - 1})
+    w = score["meta_info"]["input_token_logprobs"][-len(out):]
+    assert [t for _, t, _ in w] == out
+    assert [lp for lp, _, _ in g] == pytest.approx([lp for lp, _, _ in w], abs=LOGPROB_ABS)
+
+
 def test_prompt_scoring_matches_nospec(nospec, dflash, tokenizer):
     """Prompt scoring (what sgl.select sends: max_new_tokens 0 with prompt logprobs) is the target's prefill."""
     from sglang_dflash import data

@@ -35,6 +35,7 @@ Each captured graph's wrappers are its own (created through the backends' captur
 from __future__ import annotations
 
 import logging
+import time
 from typing import Sequence
 
 import torch
@@ -79,11 +80,13 @@ def capture(m: StepModels, runners: Sequence, backend: str, hybrid: bool, widths
         logger.info("sglang-dflash: the decode step runs eagerly (%s)", reason)
         return None
     sizes = sorted(set.intersection(*(set(r.decode_cuda_graph_runner.capture_bs) for r in runners)))
+    t0, free0 = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
     graphs = StepGraphs(m, sizes, widths, runners[0].model_config.vocab_size, device, hybrid, sampled)
-    sampled = sorted({(bs, w) for bs, w, kind in graphs.captured if kind == SAMPLED})
+    pairs = sorted({(bs, w) for bs, w, kind in graphs.captured if kind == SAMPLED})
     logger.info("sglang-dflash: decode step captured as one CUDA graph for batch sizes %s x verify widths %s; "
-                "sampled steps for %s (batch size, width) pairs up to %s rows", sizes, widths, len(sampled),
-                max((bs * w for bs, w in sampled), default=0))
+                "sampled steps for %d (batch size, width) pairs up to %d rows; %d graphs in %.1f s, %.2f GB",
+                sizes, widths, len(pairs), max((bs * w for bs, w in pairs), default=0), len(graphs.captured),
+                time.perf_counter() - t0, (free0 - torch.cuda.mem_get_info(device)[0]) / 1e9)
     return graphs
 
 
