@@ -656,6 +656,33 @@ def test_sampling_distribution_matches_nospec(servers, sampled, tokenizer, name)
     assert homogeneity_p_value(Counter({greedy[1]: SAMPLING_N}), got2) < P_VALUE_FLOOR
 
 
+def test_filtered_sampling_and_greedy_rows_of_mixed_batches(nospec, dflash, tokenizer, loader_prompts):
+    """The step's sampled accept with the top-k / top-p / min-p sort: the 2nd token's law under those filters is
+    no-spec's (the bound of `test_sampling_distribution_matches_nospec`; top-k 3 keeps ~83% on the top token, and a
+    step that ignored the filters would put ~15% outside the three); and greedy requests served in the same batches
+    as sampled ones (SGLang's top-k 1 rows) keep no-spec's greedy replies."""
+    from sglang_dflash import data
+
+    ids = chat_ids(tokenizer, data.apply_chat([SAMPLING_QUESTION], tokenizer))[0]
+    params = {"temperature": 1.0, "top_k": 3, "top_p": 0.95, "min_p": 0.01, "max_new_tokens": 2, "ignore_eos": True}
+    want, got = on_both(nospec, dflash, lambda s: sample_pairs(s, ids, params))
+    want2, got2 = Counter(t for _, t in want), Counter(t for _, t in got)
+    p = homogeneity_p_value(want2, got2)
+    assert p >= P_VALUE_FLOOR, f"filtered DFLASH 2nd-token law differs from no-spec: p={p:.2e}, " \
+                               f"no-spec {want2.most_common(5)}, DFLASH {got2.most_common(5)}"
+    top_token = want2.most_common(1)[0][0]
+    assert homogeneity_p_value(Counter({top_token: SAMPLING_N}), got2) < P_VALUE_FLOOR  # not the greedy law
+
+    prompts = [ids for name in loader_prompts for ids in loader_prompts[name][:2]]
+    greedy = {"temperature": 0.0, "max_new_tokens": 24}
+    sampled = {"temperature": 1.0, "top_p": 0.95, "max_new_tokens": 24}
+    payloads = [{"input_ids": p, "sampling_params": sp} for p in prompts for sp in (greedy, sampled, sampled)]
+    reference = generate_all(nospec, [{"input_ids": p, "sampling_params": greedy} for p in prompts])
+    mixed = generate_all(dflash, payloads, threads=len(payloads))
+    for i, (w, g) in enumerate(zip(reference, mixed[::3])):
+        assert_same_reply(w, g, ("greedy among sampled requests", i))
+
+
 # ----------------------------------------------------------------------------------------------- 6. broken drafts
 
 

@@ -1,13 +1,15 @@
 """The accept decision for a verify block under SGLang's sampling parameters, and its logprobs.
 
-`BlockSampler.accept` is the one entry point: given a decode batch, its draft tokens ``[bs, B]`` and the verify
-logits ``[bs * B, V]``, it applies what token-by-token decoding would apply at each block position -- the grammar's
-vocab mask after the drafts before that position, frequency / presence / repetition penalties (the drafts before a
-position count as output), ``min_new_tokens``, ``logit_bias``, custom logit processors -- and accepts greedily or by
-by speculative sampling: every verify row's token is drawn by the target's own SGLang sampler (`sample_rows`)
-and a draft is accepted when it equals its row's draw. `BlockSampler.attach_logprobs` writes the committed tokens'
-logprobs as SGLang's sampler defines them. `plain_greedy` tells when none of this is needed (the step's own greedy
-accept stands); `reads_output_history` when the logits depend on the output so far.
+`step_accept_kind` says which accept a decode batch takes: the step's own (greedy, or sampled with the requests'
+`StepSampling`: drafts drawn from the draft's law, speculative sampling, inside the step), or `BlockSampler.accept`
+after a greedy step, for batches whose logits need more. `BlockSampler.accept`: given a decode batch, its draft tokens
+``[bs, B]`` and the verify logits ``[bs * B, V]``, it applies what token-by-token decoding would apply at each block
+position -- the grammar's vocab mask after the drafts before that position, frequency / presence / repetition penalties
+(the drafts before a position count as output), ``min_new_tokens``, ``logit_bias``, custom logit processors -- and
+accepts greedily or by speculative sampling: every verify row's token is drawn by the target's own SGLang sampler
+(`sample_rows`) and a draft is accepted when it equals its row's draw. `BlockSampler.attach_logprobs` writes the
+committed tokens' logprobs as SGLang's sampler defines them (for either accept). `reads_output_history` tells when the
+logits depend on the output so far.
 """
 
 from __future__ import annotations

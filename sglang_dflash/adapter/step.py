@@ -1,6 +1,6 @@
 """The DFLASH decode step, written once.
 
-    build block -> plan attention -> draft forward -> propose -> target verify -> commit draft KV -> greedy accept
+    build block -> plan attention -> draft forward -> propose -> target verify -> commit draft KV -> accept
 
 `decode_step` runs these phases over the tensors of a `StepBatch` and returns one `StepResult`. The same
 function runs eagerly (`DFlashWorker`: CPU, Triton, batches larger than every capture) and is what
@@ -105,7 +105,7 @@ class StepBatch:
     (drafts drawn, speculative-sampling accept), or None (argmax drafts, greedy accept). Draft block tensors
     ``input_ids`` / ``positions`` / ``loc`` ``[bs * B]`` (absent at width 1); the target's ``verify_ids`` /
     ``verify_positions`` / ``verify_loc`` ``[bs * w]`` (the draft's own tensors at w = B); ``accept_out``: the buffers
-    the greedy accept writes (None: fresh tensors). ``seq_lens_cpu`` (host plans only) are the committed lengths on the
+    the accept writes (None: fresh tensors). ``seq_lens_cpu`` (host plans only) are the committed lengths on the
     host.
     """
 
