@@ -179,6 +179,10 @@ class StepSampling:
         """The values of SGLang's ``info`` (views, no copy)."""
         return cls(info.temperatures.view(-1), info.top_ks, info.top_ps, info.min_ps, filtered)
 
+    def head(self, n: int, filtered: bool) -> "StepSampling":
+        """Views of the first n rows, with ``filtered`` (a step graph's inputs for n requests)."""
+        return StepSampling(self.temperature[:n], self.top_k[:n], self.top_p[:n], self.min_p[:n], filtered)
+
     def copy_(self, info: SamplingBatchInfo) -> None:
         """Write ``info``'s values for its n requests into the first n rows (the static inputs of a step graph)."""
         src = self.of(info, self.filtered)

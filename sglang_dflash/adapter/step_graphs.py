@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 from triton import next_power_of_2 as triton_next_power_of_2
@@ -148,6 +148,16 @@ class GraphPlan:
         m.target_backend.init_forward_metadata_in_graph(b.target_fb)
 
 
+class _Wrappers(NamedTuple):
+    """One forward's own wrappers in a graph: `GraphPlan` layouts, their `DevicePlan`s, and the backend's
+    ``forward_metadata`` over them (shared by the graphs that run the same forward: a size's widths for the draft, a
+    (size, width)'s accept kinds for the target)."""
+
+    layouts: list
+    plans: list
+    forward_metadata: object
+
+
 class _Captured:
     """One (batch size, width, accept kind): its graph, the static `StepBatch` it reads and writes, its `GraphPlan`
     (whose wrappers own buffers the graph reads: kept alive with it), its outputs, and ``packed``, the one int64
@@ -203,35 +213,25 @@ class StepGraphs:
         next widths, this (size, width)'s target wrappers for its next kinds)."""
         m, B = self.m, self.B
         packed = torch.zeros(bs * (w + 3), dtype=torch.int64, device=dev)
-        sampling = None
-        if kind != GREEDY:
-            t = self.sampling
-            sampling = StepSampling(t.temperature[:bs], t.top_k[:bs], t.top_p[:bs], t.min_p[:bs], kind == FILTERED)
+        sampling = None if kind == GREEDY else self.sampling.head(bs, kind == FILTERED)
         b = StepBatch(m, self.bonus[:bs], self.seq_lens[:bs], self.req_pool_indices[:bs], valid=self.valid[:bs],
                       accept_out=unpack(packed, bs, w), logits_buffer=self.logits[: bs * w], width=w,
                       sampling=sampling)
         self.valid[:bs].fill_(False)  # capture and warm-up write only to the padding slot
-        layouts, plans = [], []
+        forwards = []  # (backend, its own wrappers) of each forward in the step
         if b.draft_fb is not None:
             if draft is None:
-                wrappers = _prepare_wrappers(m.draft_backend, b.draft_fb, bs)
-                be = m.draft_backend.indices_updater_prefill
-                draft = ([(wr, B, self.qo_indptr[B]) for wr in wrappers],
-                         [DevicePlan(wr, bs, B, be.num_qo_heads, be.num_kv_heads, self.plan_scratch) for wr in wrappers],
-                         m.draft_backend.forward_metadata)
-            m.draft_backend.forward_metadata = draft[2]  # what the draft forward reads while being captured
-            layouts += draft[0]
-            plans += draft[1]
+                draft = self._own_wrappers(m.draft_backend, b.draft_fb, bs, B)
+            forwards.append((m.draft_backend, draft))
         backend = full_attention_backend(m.target_backend)
         if target is None:
-            wrappers = _prepare_wrappers(backend, b.target_fb, bs)
-            be = backend.indices_updater_prefill
-            target = ([(wr, w, self.qo_indptr[w]) for wr in wrappers],
-                      [DevicePlan(wr, bs, w, be.num_qo_heads, be.num_kv_heads, self.plan_scratch) for wr in wrappers],
-                      backend.forward_metadata)
-        backend.forward_metadata = target[2]  # what the target forward reads while being captured
-        layouts += target[0]
-        plans += target[1]
+            target = self._own_wrappers(backend, b.target_fb, bs, w)
+        forwards.append((backend, target))
+        layouts, plans = [], []
+        for be, own in forwards:
+            be.forward_metadata = own.forward_metadata  # what the forward reads while being captured
+            layouts += own.layouts
+            plans += own.plans
         states = GraphStates(m.target_backend, self.qo_indptr[w], bs, w) if self.hybrid else None
         if states is not None:
             states.install()  # what the target's linear-attention layers read while being captured
@@ -249,6 +249,16 @@ class StepGraphs:
                 outputs = decode_step(m, b, plan)
         torch.cuda.synchronize(dev)
         return _Captured(graph, b, plan, outputs, packed), draft, target
+
+    def _own_wrappers(self, backend, fb, bs: int, rows: int) -> _Wrappers:
+        """This size's own capture-mode wrappers of one forward (``rows`` query rows per request) and their
+        device-side layouts and plans."""
+        wrappers = _prepare_wrappers(backend, fb, bs)
+        be = backend.indices_updater_prefill
+        return _Wrappers([(wr, rows, self.qo_indptr[rows]) for wr in wrappers],
+                         [DevicePlan(wr, bs, rows, be.num_qo_heads, be.num_kv_heads, self.plan_scratch)
+                          for wr in wrappers],
+                         backend.forward_metadata)
 
     # ---- replay --------------------------------------------------------------------------
     def padded_size(self, n: int) -> int | None:

@@ -62,6 +62,8 @@ class DFlashWorker(BaseSpecWorker):
         self.lm_head_weight, self.vocab_start, vocab_split = lm_head_shard(target.lm_head)
         self.tp_group = tp_group()
         self.vocab_group = self.tp_group if vocab_split else None
+        # the step's own sampled accept draws on each rank and over the whole vocabulary: one rank only
+        self.step_samples = self.tp_group is None
         self.mask_token_id = int(self.dcfg.mask_token_id)
 
         self.backend = args.attention_backend or "flashinfer"
@@ -137,7 +139,7 @@ class DFlashWorker(BaseSpecWorker):
         super().init_cuda_graphs()
         self.step_graphs = step_graphs.capture(self.models, (self.target_runner, self.draft_runner), self.backend,
                                                self.state_commit is not None, self.widths.possible_widths(),
-                                               self.device, sampled=self.tp_group is None)
+                                               self.device, sampled=self.step_samples)
 
     @property
     def spec_v2_attn_backends(self) -> tuple:
@@ -191,7 +193,7 @@ class DFlashWorker(BaseSpecWorker):
         seq_lens, rows = batch.seq_lens.to(torch.int64), batch.req_pool_indices.to(torch.int64)
         bs = batch.batch_size()
         width = self.widths.choose(bs)
-        kind = step_accept_kind(batch, step_samples=self.tp_group is None)
+        kind = step_accept_kind(batch, step_samples=self.step_samples)
         step_kind = GREEDY if kind == BLOCK else kind
         graphed = self.step_graphs is not None and self.step_graphs.serves(bs, width, step_kind)
         if graphed:
