@@ -20,7 +20,61 @@ from typing import Optional
 
 import torch
 
-__all__ = ["target_probs", "draw", "greedy_predictions", "sample_predictions", "accept"]
+__all__ = ["VocabSplit", "target_probs", "draw", "greedy_predictions", "sample_predictions", "accept"]
+
+
+class VocabSplit:
+    """Where a vocabulary-sized last dimension lives: whole on this process (``group`` None, `VocabSplit.whole`), or
+    split over the ranks of ``group`` in ascending contiguous shards of ``total`` ids, this rank holding ids
+    ``[start, start + size)`` (tensor parallelism's vocab-parallel lm_head). ``group.all_gather(t [1, ...], dim=0)``
+    -> ``[ranks, ...]`` (SGLang's GroupCoordinator). The rules below take this rank's shard and return the same
+    result on every rank, equal to the whole vocabulary's. Random draws stay in step across ranks: each rank draws
+    the whole vocabulary's noise with the same generator state (as SGLang's sampler relies on) and uses its shard."""
+
+    def __init__(self, start: int, size: int, total: int, group=None) -> None:
+        self.start, self.size, self.total, self.group = start, size, total, group
+
+    @classmethod
+    def whole(cls, total: int) -> "VocabSplit":
+        return cls(0, total, total)
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """``[..., total]`` -> this rank's ``[..., size]`` (a view)."""
+        return t if self.group is None else t[..., self.start:self.start + self.size]
+
+    def gathered(self, t: torch.Tensor) -> torch.Tensor:
+        """``[...]`` on each rank -> ``[ranks, ...]``."""
+        return self.group.all_gather(t.unsqueeze(0).contiguous(), dim=0)
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Per-rank partial sums ``[...]`` -> their total over the ranks ``[...]``."""
+        return t if self.group is None else self.gathered(t).sum(dim=0)
+
+    def at(self, t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``t [..., size]`` (this rank's shard) at global ``ids [...]`` -> ``[...]``."""
+        if self.group is None:
+            return t.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.size)
+        got = t.gather(-1, local.clamp(0, self.size - 1).unsqueeze(-1)).squeeze(-1)
+        return self.sum(torch.where(mine, got, torch.zeros_like(got)))
+
+    def argmax(self, scores: torch.Tensor) -> torch.Tensor:
+        """This rank's scores ``[..., size]`` -> the argmax over the whole vocabulary ``[...]`` int64 (the first
+        maximum: the lowest id within a rank, then the lowest rank)."""
+        if self.group is None:
+            return scores.argmax(dim=-1)
+        value, index = scores.max(dim=-1)
+        values, indices = self.gathered(value), self.gathered(index + self.start)
+        return indices.gather(0, values.argmax(dim=0, keepdim=True)).squeeze(0)
+
+    def softmax(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of ``softmax(x)`` over the whole vocabulary: ``[..., size]`` float32."""
+        x = x.to(torch.float32)
+        if self.group is None:
+            return torch.softmax(x, dim=-1)
+        lse = torch.logsumexp(self.gathered(torch.logsumexp(x, dim=-1)), dim=0)
+        return torch.exp(x - lse.unsqueeze(-1))
 
 
 def _check_per_request(name: str, t: torch.Tensor, b: int, device: torch.device) -> None:
@@ -99,14 +153,18 @@ def target_probs(
     return probs
 
 
-def draw(weights: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def draw(weights: torch.Tensor, generator: Optional[torch.Generator] = None,
+         vocab: Optional[VocabSplit] = None) -> torch.Tensor:
     """One token per row of ``weights [..., V]`` (non-negative, not necessarily normalised), drawn with probability
     ``weights / weights.sum(-1)`` -> ``[...]`` int64. An exponential race, ``argmax_j w_j / E_j`` with
     ``E_j ~ Exp(1)``: no host sync and no data-dependent shape, so it runs inside a CUDA graph; zero-weight tokens
-    score 0 and are never drawn (E is clamped away from 0)."""
-    race = torch.empty_like(weights).exponential_(generator=generator)
+    score 0 and are never drawn (E is clamped away from 0). With ``vocab``, ``weights`` is this rank's shard
+    ``[..., vocab.size]`` and the race runs over the whole vocabulary's (the same token on every rank)."""
+    if vocab is None or vocab.group is None:
+        vocab = VocabSplit.whole(weights.shape[-1])
+    race = vocab.local(weights.new_empty(weights.shape[:-1] + (vocab.total,)).exponential_(generator=generator))
     race.clamp_(min=torch.finfo(race.dtype).tiny)
-    return (weights / race).argmax(dim=-1)
+    return vocab.argmax(weights / race)
 
 
 def greedy_predictions(target_logits: torch.Tensor) -> torch.Tensor:
@@ -122,6 +180,7 @@ def sample_predictions(
     probs: torch.Tensor,
     generator: Optional[torch.Generator] = None,
     draft_probs: Optional[torch.Tensor] = None,
+    vocab: Optional[VocabSplit] = None,
 ) -> torch.Tensor:
     """Exact speculative sampling of the target tokens of a verify block.
 
@@ -136,39 +195,46 @@ def sample_predictions(
         draft_tokens: ``[b, B]`` int64, the verify block rows (column 0 = last committed token).
         probs: ``[b, B, V]`` target probabilities from :func:`target_probs` for those rows.
         generator: optional ``torch.Generator`` on ``probs.device``.
-        draft_probs: ``[b, B-1, V]`` the laws ``d_1 .. d_{B-1}`` were drawn from, or None (point masses).
+        draft_probs: ``[b, B-1, V]`` the laws ``d_1 .. d_{B-1}`` were drawn from, or None (point masses); under a
+            split ``vocab``, this rank's shard ``[b, B-1, vocab.size]`` (``probs`` stays whole).
 
     Returns:
-        target_tokens: ``[b, B]`` int64.
+        target_tokens: ``[b, B]`` int64 (the same on every rank of ``vocab``).
     """
     if probs.dim() != 3 or draft_tokens.shape != probs.shape[:2]:
         raise ValueError(f"draft_tokens must be [batch, block_size] and probs [batch, block_size, vocab]; "
                          f"got {tuple(draft_tokens.shape)} and {tuple(probs.shape)}")
     if draft_tokens.dtype != torch.int64:
         raise ValueError(f"draft_tokens must be int64, got {draft_tokens.dtype}; use .long()")
-    b, block_size, vocab = probs.shape
-    if draft_probs is not None and draft_probs.shape != (b, block_size - 1, vocab):
-        raise ValueError(f"draft_probs must be [batch, block_size - 1, vocab] = {(b, block_size - 1, vocab)}, "
+    b, block_size, V = probs.shape
+    if vocab is None or vocab.group is None or draft_probs is None:
+        vocab = VocabSplit.whole(V)
+    if vocab.total != V:
+        raise ValueError(f"probs cover {V} ids but the split vocabulary has {vocab.total}; pass the whole vocabulary's "
+                         "target probabilities")
+    if draft_probs is not None and draft_probs.shape != (b, block_size - 1, vocab.size):
+        raise ValueError(f"draft_probs must be [batch, block_size - 1, vocab] = {(b, block_size - 1, vocab.size)}, "
                          f"got {tuple(draft_probs.shape)}")
 
-    drafts = draft_tokens[:, 1:].unsqueeze(-1)  # [b, B-1, 1]
-    p_draft = probs[:, :-1].gather(-1, drafts).squeeze(-1)  # [b, B-1]
+    drafts = draft_tokens[:, 1:]  # [b, B-1]
+    p_draft = probs[:, :-1].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)  # [b, B-1]
     u = torch.rand((b, block_size - 1), generator=generator, device=probs.device, dtype=probs.dtype)
-    residual = probs.clone()
+    residual = vocab.local(probs).clone()
     if draft_probs is None:
         keep = u < p_draft
-        residual[:, :-1].scatter_(-1, drafts, 0.0)
+        residual[:, :-1].scatter_(-1, drafts.unsqueeze(-1), 0.0)
     else:
         q = draft_probs.to(probs.dtype)
-        keep = u * q.gather(-1, drafts).squeeze(-1) < p_draft
-        residual[:, :-1] = (probs[:, :-1] - q).clamp_(min=0.0)
+        keep = u * vocab.at(q, drafts) < p_draft
+        own = vocab.local(probs[:, :-1])
+        residual[:, :-1] = (own - q).clamp_(min=0.0)
         # p == q leaves no residual, and then no rejection either: any row serves
-        empty = residual[:, :-1].sum(-1, keepdim=True) <= 0
-        residual[:, :-1] = torch.where(empty, probs[:, :-1], residual[:, :-1])
-    resampled = draw(residual, generator)  # [b, B]
+        empty = vocab.sum(residual[:, :-1].sum(-1)).unsqueeze(-1) <= 0
+        residual[:, :-1] = torch.where(empty, own, residual[:, :-1])
+    resampled = draw(residual, generator, vocab)  # [b, B]
 
     target_tokens = resampled
-    target_tokens[:, :-1] = torch.where(keep, draft_tokens[:, 1:], resampled[:, :-1])
+    target_tokens[:, :-1] = torch.where(keep, drafts, resampled[:, :-1])
     return target_tokens
 
 

@@ -76,8 +76,8 @@ def _req(**sampling):
 def test_the_step_accepts_only_what_its_own_rule_covers():
     """The step's own accept (greedy argmax, or speculative sampling under temperature / top-k / top-p / min-p)
     stands only where `BlockSampler.accept` would apply nothing else: a batch with a grammar, custom processors,
-    logit_bias, min_new_tokens not yet reached, any penalty or a sampling seed accepts on the logits (BLOCK), as does
-    every sampled batch under tensor parallelism; the filters choose the kind with the sort."""
+    logit_bias, min_new_tokens not yet reached, any penalty or a sampling seed accepts on the logits (BLOCK); the
+    filters choose the kind with the sort."""
     from sglang_dflash.adapter.sampling import BLOCK, FILTERED, GREEDY, SAMPLED, step_accept_kind
 
     def batch(*reqs, greedy=True, grammar=False, processors=False, bias=None, seed=None, top_k=False, top_p=False,
@@ -93,7 +93,6 @@ def test_the_step_accepts_only_what_its_own_rule_covers():
     assert step_accept_kind(batch(_req(), greedy=False)) == SAMPLED
     for flag in ("top_k", "top_p", "min_p"):
         assert step_accept_kind(batch(_req(), greedy=False, **{flag: True})) == FILTERED, flag
-    assert step_accept_kind(batch(_req(), greedy=False), step_samples=False) == BLOCK
     assert step_accept_kind(batch(_req(), greedy=False, seed=torch.zeros(1))) == BLOCK
     for greedy in (True, False):
         assert step_accept_kind(batch(_req(), grammar=True, greedy=greedy)) == BLOCK

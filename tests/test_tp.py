@@ -4,10 +4,12 @@ CPU hooks, as in a ``--tp-size 2`` server) and run sglang-dflash's TP pieces aga
 * the sharded draft (`SGLangDFlashDraft` under TP 2: each rank's heads and MLP rows, o_proj/down_proj all-reduced)
   gives the unsharded core draft's hidden states, and each rank's context K/V are the core's for its KV heads
   (also with one KV head replicated on both ranks);
-* the draft's proposal over the vocab-parallel lm_head (`step.propose` with `tp.vocab_argmax`) equals the
+* the draft's proposal over the vocab-parallel lm_head (`step.propose` over a `verify.VocabSplit`) equals the
   full-vocabulary argmax of the draft logits, soft-capped logits with ties included;
+* the sampled step over the shards (the draft's law and draws, `verify.sample_predictions`' accept and residual
+  draw) gives, token for token, what the whole vocabulary gives with the same random state, on both ranks;
 * sampled accepts drawn with different random states per rank differ, and `tp.agree_on_accept` makes every rank
-  take rank 0's;
+  take rank 0's (SGLang's sampler after the step);
 * the CPU KV budget is the smallest of the ranks'.
 
 Each rank writes what it computed; the test compares them across ranks. ``python tests/test_tp.py RANK PORT OUT``
@@ -110,8 +112,8 @@ def _propose_checks(rank: int, group, out: dict) -> None:
     from types import SimpleNamespace
 
     from sglang_dflash.adapter.step import propose
-    from sglang_dflash.adapter.tp import vocab_argmax
     from sglang_dflash.model import draft_logits
+    from sglang_dflash.verify import VocabSplit
 
     cfg = _draft_config(DRAFTS["kv2"], final_logit_softcapping=2.0)  # saturating cap: ties across the shards
     bs, B, H, V = 3, cfg.block_size, 64, 128
@@ -120,10 +122,10 @@ def _propose_checks(rank: int, group, out: dict) -> None:
     hidden = torch.randn(bs * B, H, generator=g) * 8  # large logits: the cap saturates, maxima tie across shards
     ids = torch.randint(0, V, (bs * B,), generator=g)
     full = SimpleNamespace(block_size=B, lm_head_weight=weight, draft_logits=functools.partial(draft_logits, cfg),
-                           vocab_start=0, vocab_group=None)
+                           vocab=VocabSplit.whole(V))
     half = V // TP
-    mine = SimpleNamespace(**{**vars(full), "lm_head_weight": weight[rank * half:(rank + 1) * half],
-                              "vocab_start": rank * half, "vocab_group": group})
+    split = VocabSplit(rank * half, half, V, group)
+    mine = SimpleNamespace(**{**vars(full), "lm_head_weight": weight[rank * half:(rank + 1) * half], "vocab": split})
     scores = draft_logits(cfg, hidden.view(bs, B, H)[:, 1:] @ weight.t())
     assert (scores[..., :half].amax(-1) == scores[..., half:].amax(-1)).sum() >= 3  # ties between the ranks
     want, law = propose(full, hidden, ids, bs)
@@ -135,7 +137,58 @@ def _propose_checks(rank: int, group, out: dict) -> None:
     # first-maximum rule across ranks on exact ties
     scores = torch.zeros(4, half)
     scores[:, 5] = 1.0  # every rank's best is its local id 5 with the same value
-    assert vocab_argmax(scores, rank * half, group).tolist() == [5] * 4
+    assert split.argmax(scores).tolist() == [5] * 4
+
+
+def _split_sampling_checks(rank: int, group, out: dict) -> None:
+    """The sampled step over this rank's vocabulary shard (`step.propose` + `verify.sample_predictions` with a
+    `VocabSplit`, as `step.decode_step` runs them) == the whole vocabulary's with the same random state."""
+    import functools
+    from types import SimpleNamespace
+
+    from sglang_dflash.adapter.sampling import StepSampling
+    from sglang_dflash.adapter.step import propose
+    from sglang_dflash.model import draft_logits
+    from sglang_dflash.verify import VocabSplit, sample_predictions
+
+    cfg = _draft_config(DRAFTS["kv2"])
+    bs, B, H, V = 6, cfg.block_size, 64, 128
+    half = V // TP
+    g = torch.Generator().manual_seed(3)  # the same inputs on both ranks
+    weight = torch.randn(V, H, generator=g)
+    hidden = torch.randn(bs * B, H, generator=g) * 0.5
+    ids = torch.randint(0, V, (bs * B,), generator=g)
+    sampling = StepSampling(torch.tensor([0.6, 1.0, 1.0, 1.4, 0.9, 2.0]), torch.full((bs,), -1), torch.ones(bs),
+                            torch.zeros(bs), filtered=False)
+    full = SimpleNamespace(block_size=B, lm_head_weight=weight, draft_logits=functools.partial(draft_logits, cfg),
+                           vocab=VocabSplit.whole(V))
+    split = VocabSplit(rank * half, half, V, group)
+    mine = SimpleNamespace(**{**vars(full), "lm_head_weight": weight[rank * half:(rank + 1) * half], "vocab": split})
+
+    torch.manual_seed(7)
+    want, want_law = propose(full, hidden, ids, bs, B, sampling)
+    torch.manual_seed(7)
+    got, got_law = propose(mine, hidden, ids, bs, B, sampling)
+    torch.testing.assert_close(got_law, want_law[..., rank * half:(rank + 1) * half], rtol=1e-5, atol=1e-7)
+    assert torch.equal(got, want), (got, want)
+    # a split draw whose ranks draw only their own shard's noise from the same state: correlated shards, other tokens
+    torch.manual_seed(7)
+    race = torch.empty_like(got_law).exponential_()
+    assert not torch.equal(split.argmax(got_law / race), want[:, 1:])
+
+    scores = draft_logits(cfg, hidden.view(bs, B, H) @ weight.t())  # target logits near the draft's: some accepted
+    logits = torch.cat([scores[:, 1:], torch.randn(bs, 1, V, generator=g)], dim=1) + 0.7 * torch.randn(bs, B, V, generator=g)
+    probs = sampling.probs(logits)
+    results = []
+    for law in (got_law, want_law[..., rank * half:(rank + 1) * half]):
+        torch.manual_seed(8)
+        whole = sample_predictions(want, probs, draft_probs=want_law)
+        torch.manual_seed(8)
+        results.append(sample_predictions(want, probs, draft_probs=law, vocab=split))
+        assert torch.equal(results[-1], whole), (results[-1], whole)
+    matches = (want[:, 1:] == whole[:, :-1]).to(torch.int64).cumprod(-1).sum(-1)
+    assert 0 < matches.sum() and (matches < B - 1).any(), matches  # accepts and rejections both
+    out["split_drafts"], out["split_targets"] = got, results[0]
 
 
 def _accept_checks(rank: int, group, out: dict) -> None:
@@ -185,6 +238,7 @@ def _rank(rank: int, port: int, out_dir: Path) -> None:
     out: dict = {}
     _draft_checks(rank, out)
     _propose_checks(rank, group, out)
+    _split_sampling_checks(rank, group, out)
     _accept_checks(rank, group, out)
     torch.save(out, out_dir / f"rank{rank}.pt")
 
@@ -207,6 +261,7 @@ def test_two_gloo_ranks_shard_the_draft_and_agree(tmp_path):
     assert r0["draft_kv2_kv_heads"].tolist() == [0, 1] and r1["draft_kv2_kv_heads"].tolist() == [1, 2]
     assert r0["draft_kv1_kv_heads"].tolist() == r1["draft_kv1_kv_heads"].tolist() == [0, 1]
     assert torch.equal(r0["proposal"], r1["proposal"])
+    assert torch.equal(r0["split_drafts"], r1["split_drafts"]) and torch.equal(r0["split_targets"], r1["split_targets"])
     # diverged random states gave different accepts; agree_on_accept gives rank 0's on both
     assert not torch.equal(r0["own_committed"], r1["own_committed"])
     assert r0["own_accept_lens"].tolist() != [0] * 16  # drafts got accepted

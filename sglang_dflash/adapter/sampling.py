@@ -25,7 +25,7 @@ from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask
 
 from sglang_dflash.kernels.accept import accept_tokens
-from sglang_dflash.verify import target_probs
+from sglang_dflash.verify import VocabSplit, target_probs
 
 
 @dataclass
@@ -195,22 +195,29 @@ class StepSampling:
         return target_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p,
                             needs_filter=self.filtered, any_greedy=False)
 
+    def draft_law(self, scores: torch.Tensor, vocab: VocabSplit) -> torch.Tensor:
+        """The law drafts are drawn from: draft scores ``[bs, n, V_local]`` -> float32 ``[bs, n, V_local]``, `probs`
+        (the requests' own parameters) over a whole vocabulary; over a split one (tensor parallelism), this rank's
+        shard of the softmax at the requests' temperature, unfiltered (the filters' sort would need the whole
+        vocabulary; any law is a valid proposal, a filtered one is accepted more often)."""
+        if vocab.group is None:
+            return self.probs(scores)
+        return vocab.softmax(scores.to(torch.float32) / self.temperature.view(-1, 1, 1))
+
 
 # How a decode step accepts: its own greedy accept; its own sampled accept, without or with the top-k / top-p /
 # min-p sort (`StepSampling.filtered`); or the greedy step followed by `BlockSampler.accept` on its logits.
 GREEDY, SAMPLED, FILTERED, BLOCK = "greedy", "sampled", "filtered", "block"
 
 
-def step_accept_kind(batch, step_samples: bool = True) -> str:
+def step_accept_kind(batch) -> str:
     """`GREEDY` / `SAMPLED` / `FILTERED` / `BLOCK` for a decode ``batch`` (host flags only, no sync). BLOCK where
     the logits need more than the requests' temperature and filters (grammars, penalties, min_new_tokens, logit
-    bias, custom processors), for seeded sampling (deterministic inference: SGLang's seeded draw), and for every
-    sampled batch when ``step_samples`` is False (tensor parallelism: the ranks' draws must agree, and the drafts
-    are drawn over the whole vocabulary)."""
+    bias, custom processors) and for seeded sampling (deterministic inference: SGLang's seeded draw)."""
     if plain_greedy(batch):
         return GREEDY
     info = batch.sampling_info
-    if (not step_samples or info.is_all_greedy or info.logit_bias is not None or info.sampling_seed is not None
+    if (info.is_all_greedy or info.logit_bias is not None or info.sampling_seed is not None
             or reads_output_history(batch)):
         return BLOCK
     return FILTERED if info.need_top_k_sampling or info.need_top_p_sampling or info.need_min_p_sampling else SAMPLED

@@ -18,9 +18,10 @@ verifies the first ``w`` of them, ``[bonus, d_1 .. d_{w-1}]``, where ``w`` is th
 forward, the target decodes the bonus token and the draft's context K/V for it is still written.
 
 The accept is the step's own in two cases: greedy (the target's argmax), and sampling under the requests' temperature /
-top-k / top-p / min-p (`sampling.StepSampling`): each draft d_k is drawn from the draft's law q_k under the request's
-parameters, and the verify keeps it with probability min(1, p_k(d_k) / q_k(d_k)), else draws from max(p_k - q_k, 0)
-(`sglang_dflash.verify`, the one copy of the rule). A batch whose logits need more (grammars, penalties, min_new_tokens,
+top-k / top-p / min-p (`sampling.StepSampling`): each draft d_k is drawn from the draft's law q_k
+(`StepSampling.draft_law`), and the verify keeps it with probability min(1, p_k(d_k) / q_k(d_k)), else draws from max(p_k - q_k, 0)
+(`sglang_dflash.verify`, the one copy of the rule; under tensor parallelism over the ranks' vocabulary shards,
+`verify.VocabSplit`). A batch whose logits need more (grammars, penalties, min_new_tokens,
 logit bias, custom processors, seeded sampling) runs the greedy step and accepts on ``StepResult.logits`` with
 `sampling.BlockSampler`.
 """
@@ -41,10 +42,9 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang_dflash.adapter import compat
 from sglang_dflash.adapter.sampling import StepSampling, greedy_accept
 from sglang_dflash.adapter.spec_inputs import DFlashBlockInput
-from sglang_dflash.adapter.tp import vocab_argmax
 from sglang_dflash.kernels.accept import accept_tokens
 from sglang_dflash.kernels.block_builder import build_block
-from sglang_dflash.verify import draw, sample_predictions
+from sglang_dflash.verify import VocabSplit, draw, sample_predictions
 
 # SGLang reserves KV slot 0 for padding: padded rows of a captured step write there.
 PADDING_SLOT = 0
@@ -60,9 +60,9 @@ def padded_rows(n: int, captured: Sequence[int]) -> int | None:
 class StepModels:
     """What the step runs: the two models, their attention backends, the target's embeddings and lm_head, the
     draft's logit rule (`sglang_dflash.model.draft_logits`), the shared ``req_to_token`` and the draft-KV writer
-    ``commit_kv(aux_hidden [N, n_ids*H], positions [N], cache_loc [N])``. Under tensor parallelism
-    ``lm_head_weight`` ``[V_local, H]`` scores ids ``vocab_start ..`` and ``vocab_group`` is the TP group the
-    vocabulary is split over (None: one rank holds it all). ``draft_kv_translator`` / ``target_kv_translator``: the
+    ``commit_kv(aux_hidden [N, n_ids*H], positions [N], cache_loc [N])``. ``lm_head_weight`` ``[V_local, H]`` scores
+    the ids of ``vocab`` held here (under tensor parallelism a shard of the vocabulary; `VocabSplit.whole` on one
+    rank). ``draft_kv_translator`` / ``target_kv_translator``: the
     runners' KVIndexTranslator, through which a hand-built batch gets its KV-location plan (`compat.kv_translator`;
     None on SGLang without one)."""
 
@@ -78,8 +78,7 @@ class StepModels:
     mask_token_id: int
     block_size: int
     paged_verify: bool  # FlashInfer / Triton read seq_lens as the committed prefix; torch_native needs extend lens
-    vocab_start: int = 0
-    vocab_group: Optional[object] = None
+    vocab: VocabSplit
     draft_kv_translator: Optional[object] = None
     target_kv_translator: Optional[object] = None
 
@@ -113,9 +112,6 @@ class StepBatch:
                  accept_out=None, logits_buffer=None, width: int | None = None,
                  sampling: StepSampling | None = None):
         bs, B = seq_lens.shape[0], m.block_size
-        if sampling is not None and m.vocab_group is not None:
-            raise ValueError("a sampled DFLASH step draws its drafts over the whole vocabulary; under a split "
-                             "vocabulary (tensor parallelism) accept with sampling.BlockSampler instead")
         self.sampling = sampling
         w = self.width = B if width is None else width
         dev = seq_lens.device
@@ -179,21 +175,18 @@ def propose(m: StepModels, hidden: torch.Tensor, input_ids: torch.Tensor, bs: in
             sampling: StepSampling | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Draft hidden states [bs * B, H] and block input_ids [bs * B] -> (draft_tokens [bs, w], their law) (w =
     ``width``, default B): column 0 = the bonus token, 1.. = the drafts of block positions 1..w-1 from the draft's
-    logits there (the target's lm_head, then ``m.draft_logits``). Greedy (``sampling`` None): the argmax (over every
-    rank's vocabulary shard under tensor parallelism, `tp.vocab_argmax`), law None. Sampling: a draw from the
-    draft's law under the requests' parameters, returned as ``[bs, w-1, V]`` float32. Only the verified positions
-    are scored."""
+    logits there (the target's lm_head, then ``m.draft_logits``), over ``m.vocab`` (every rank's shard under tensor
+    parallelism). Greedy (``sampling`` None): the argmax, law None. Sampling: a draw from the draft's law
+    (`StepSampling.draft_law`), returned as ``[bs, w-1, V_local]`` float32. Only the verified positions are scored."""
     B = m.block_size
     w = B if width is None else width
     scores = m.draft_logits(torch.matmul(hidden.view(bs, B, -1)[:, 1:w], m.lm_head_weight.t()))
     law = None
     if sampling is not None:
-        law = sampling.probs(scores)
-        drafts = draw(law)
-    elif m.vocab_group is None:
-        drafts = scores.argmax(dim=-1)
+        law = sampling.draft_law(scores, m.vocab)
+        drafts = draw(law, vocab=m.vocab)
     else:
-        drafts = vocab_argmax(scores, m.vocab_start, m.vocab_group)
+        drafts = m.vocab.argmax(scores)
     return torch.cat([input_ids.view(bs, B)[:, :1], drafts], dim=1), law
 
 
@@ -232,6 +225,7 @@ def decode_step(m: StepModels, b: StepBatch, plan: Callable[[StepModels, StepBat
     if b.sampling is None:
         accept = greedy_accept(draft_tokens, logits, b.seq_lens, out=b.accept_out)
     else:
-        target_tokens = sample_predictions(draft_tokens, b.sampling.probs(logits.view(bs, w, -1)), draft_probs=law)
+        target_tokens = sample_predictions(draft_tokens, b.sampling.probs(logits.view(bs, w, -1)), draft_probs=law,
+                                           vocab=m.vocab)
         accept = accept_tokens(draft_tokens, target_tokens, b.seq_lens, out=b.accept_out)
     return StepResult(draft_tokens, logits, *accept)

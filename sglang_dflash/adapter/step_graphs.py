@@ -22,7 +22,7 @@ stops the overlap schedule). The draft forward always runs the whole block, so a
 all its widths; the target's wrappers are per (size, width). Each owns an 8 MiB FlashInfer int workspace.
 
 Accept kinds (`sampling.step_accept_kind`): each (size, width) is captured greedy and, where the sampled step's
-vocabulary-sized float32 temporaries fit `SAMPLED_ROWS_BYTES` per tensor (and the vocabulary is not split), also
+vocabulary-sized float32 temporaries fit `SAMPLED_ROWS_BYTES` per tensor, also
 sampled without and with the top-k / top-p / min-p sort: the drafts are drawn and accepted inside the graph, with
 the requests' parameters as four more static inputs and CUDA's graph-safe random numbers. The kinds of one
 (size, width) share its wrappers.
@@ -58,10 +58,10 @@ SEQ_LEN_FILL = 1  # committed length of padded rows (FlashInfer needs kv_len >= 
 SAMPLED_ROWS_BYTES = 256 << 20
 
 
-def capture(m: StepModels, runners: Sequence, backend: str, hybrid: bool, widths: Sequence[int], device,
-            sampled: bool = True) -> StepGraphs | None:
+def capture(m: StepModels, runners: Sequence, backend: str, hybrid: bool, widths: Sequence[int],
+            device) -> StepGraphs | None:
     """`decode_step` captured for the batch sizes both ``runners`` (target, draft) captured x ``widths`` (x the sampled
-    accept kinds where they fit, if ``sampled``), where it can be: CUDA graphs on, FlashInfer's fa2 prefill with one
+    accept kinds where they fit), where it can be: CUDA graphs on, FlashInfer's fa2 prefill with one
     wrapper per model (a ``hybrid`` target's full-attention layers included; its linear-attention layers as
     `hybrid.GraphStates`), an SGLang without the KV-location plan (`compat.VERIFY_ARGS_KEYWORD_PLAN`; 0.5.23 pins a
     FlashInfer the device plan was not checked against anyway), a FlashInfer its device plan was checked against. None
@@ -81,7 +81,7 @@ def capture(m: StepModels, runners: Sequence, backend: str, hybrid: bool, widths
         return None
     sizes = sorted(set.intersection(*(set(r.decode_cuda_graph_runner.capture_bs) for r in runners)))
     t0, free0 = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
-    graphs = StepGraphs(m, sizes, widths, runners[0].model_config.vocab_size, device, hybrid, sampled)
+    graphs = StepGraphs(m, sizes, widths, runners[0].model_config.vocab_size, device, hybrid)
     pairs = sorted({(bs, w) for bs, w, kind in graphs.captured if kind == SAMPLED})
     logger.info("sglang-dflash: decode step captured as one CUDA graph for batch sizes %s x verify widths %s; "
                 "sampled steps for %d (batch size, width) pairs up to %d rows; %d graphs in %.1f s, %.2f GB",
@@ -169,11 +169,11 @@ class _Captured:
 
 class StepGraphs:
     """`decode_step` captured for ``batch_sizes`` x ``widths`` x accept kinds (FlashInfer, CUDA); ``vocab_size``: the
-    target's logits width; ``hybrid``: the target has linear-attention layers; ``sampled``: capture the sampled
-    kinds where they fit (`SAMPLED_ROWS_BYTES`)."""
+    target's logits width; ``hybrid``: the target has linear-attention layers. The sampled kinds are
+    captured where they fit (`SAMPLED_ROWS_BYTES`)."""
 
     def __init__(self, m: StepModels, batch_sizes: Sequence[int], widths: Sequence[int], vocab_size: int, device,
-                 hybrid: bool = False, sampled: bool = True):
+                 hybrid: bool = False):
         self.m, self.B, self.hybrid = m, m.block_size, hybrid
         self.sizes = sorted({int(b) for b in batch_sizes})
         self.widths = sorted({int(w) for w in widths})
@@ -185,7 +185,7 @@ class StepGraphs:
         ones = lambda dtype: torch.ones(max_bs, dtype=dtype, device=dev)  # noqa: E731
         self.sampling = StepSampling(ones(torch.float32), ones(torch.int64), ones(torch.float32),
                                      torch.zeros(max_bs, dtype=torch.float32, device=dev), filtered=False)
-        sampled_rows = SAMPLED_ROWS_BYTES // (4 * vocab_size) if sampled and m.vocab_group is None else 0
+        sampled_rows = SAMPLED_ROWS_BYTES // (4 * vocab_size)
         # one float logits buffer for every graph (SGLang's logits processor copies into it): per-graph logits
         # outputs would each stay alive with their graph
         self.logits = torch.zeros((max_bs * self.B, vocab_size), dtype=torch.float, device=dev)

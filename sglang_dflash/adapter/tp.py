@@ -5,17 +5,20 @@ layers (`DraftShard`): each rank holds its slice of the attention heads (q, and 
 has fewer KV heads than ranks) and of the MLP's intermediate dimension; o_proj and down_proj are row-parallel,
 their partial sums all-reduced; ``fc``, the norms and the RoPE tables are replicated. Each rank's draft KV pool
 holds its own KV heads at the target's token slots, as the target's pool does. The draft's embeddings and lm_head
-are the target's, vocab-parallel: the draft's argmax over the full vocabulary is `vocab_argmax` (each rank's
-best (value, id), gathered; the first maximum wins, as a full-vocabulary argmax picks it).
+are the target's, vocab-parallel: the draft's argmax, its sampled law and draws, and the sampled accept's residual
+draw run over the ranks' vocabulary shards (`verify.VocabSplit`: each rank's best (value, id) gathered, the first
+maximum winning as a full-vocabulary argmax picks it; softmax normalisers gathered).
 
 Why sharded rather than replicated: a replicated draft costs every rank the whole draft's weights, its full KV
 heads (the pool SGLang sizes for a draft worker holds ``num_kv_heads // tp`` heads) and the whole draft forward;
 sharded, both scale down with N for two all-reduces per draft layer, the pattern of every target layer.
 
 Every rank makes the same accept decision: the verify logits are the target's, gathered over the vocabulary by
-SGLang's logits processor (the same tensor on every rank), so the greedy accept agrees by construction; a
-sampled (or otherwise adjusted) accept draws random numbers, and its result is broadcast from the group's first
-rank (`agree_on_accept`).
+SGLang's logits processor (the same tensor on every rank), so the greedy accept agrees by construction. The step's
+own sampled accept draws the same random numbers on every rank (the same seed and the same draws, the whole
+vocabulary's noise on each: what SGLang's own sampler relies on) and reduces over the shards, so its result is the
+same on every rank too. An accept through SGLang's sampler after the step (`sampling.BlockSampler`: grammars,
+penalties, ...) is broadcast from the group's first rank (`agree_on_accept`).
 """
 
 from __future__ import annotations
@@ -101,20 +104,6 @@ def check_draft_divides(cfg: DFlashDraftConfig, tp_size: int) -> None:
         raise ValueError(f"sglang-dflash: the draft's {', '.join(problems)} cannot be split over --tp-size {tp_size} "
                          "(the draft is sharded with the target's tensor-parallel group). Use a --tp-size that divides "
                          "them.")
-
-
-def vocab_argmax(scores: torch.Tensor, vocab_start: int, group) -> torch.Tensor:
-    """Argmax over a vocabulary split across ``group``'s ranks in ascending contiguous shards.
-
-    scores ``[..., V_local]``: this rank's scores of token ids ``vocab_start + arange(V_local)``. Returns ``[...]``
-    int64 global ids, the same on every rank and equal to the argmax over the concatenated scores (the first
-    maximum: the lowest id within a rank, then the lowest rank)."""
-    value, index = scores.max(dim=-1)
-    index = index + vocab_start
-    values = group.all_gather(value.unsqueeze(0).contiguous(), dim=0)  # [ranks, ...]
-    indices = group.all_gather(index.unsqueeze(0).contiguous(), dim=0)
-    best = values.argmax(dim=0, keepdim=True)
-    return indices.gather(0, best).squeeze(0)
 
 
 def agree_on_accept(accepted: tuple, group) -> tuple:

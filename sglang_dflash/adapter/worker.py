@@ -39,6 +39,7 @@ from sglang_dflash.adapter.tp import agree_on_accept, lm_head_shard, tp_group
 from sglang_dflash.config import DFlashDraftConfig
 from sglang_dflash.model import draft_logits
 from sglang_dflash.policy import AdaptiveConfig
+from sglang_dflash.verify import VocabSplit
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +59,11 @@ class DFlashWorker(BaseSpecWorker):
         target = self.target_runner.model
         self._capture_target_layers()  # its checks here, at start-up; set again in `init_attention_backends`
         self.embed = target.get_input_embeddings()
-        # under tensor parallelism: this rank's vocabulary shard (`tp`); every rank's accept is rank 0's
-        self.lm_head_weight, self.vocab_start, vocab_split = lm_head_shard(target.lm_head)
+        # under tensor parallelism: this rank's vocabulary shard (`tp`)
+        self.lm_head_weight, vocab_start, vocab_split = lm_head_shard(target.lm_head)
         self.tp_group = tp_group()
-        self.vocab_group = self.tp_group if vocab_split else None
-        # the step's own sampled accept draws on each rank and over the whole vocabulary: one rank only
-        self.step_samples = self.tp_group is None
+        self.vocab = VocabSplit(vocab_start, self.lm_head_weight.shape[0], self.target_runner.model_config.vocab_size,
+                                self.tp_group if vocab_split else None)
         self.mask_token_id = int(self.dcfg.mask_token_id)
 
         self.backend = args.attention_backend or "flashinfer"
@@ -100,8 +100,8 @@ class DFlashWorker(BaseSpecWorker):
                 draft_logits=functools.partial(draft_logits, self.dcfg),
                 commit_kv=functools.partial(self.draft_model.write_context_kv, kv_pool=self.draft_runner.token_to_kv_pool),
                 req_to_token=self.target_runner.req_to_token_pool.req_to_token, mask_token_id=self.mask_token_id,
-                block_size=self.block_size, paged_verify=self.backend != "torch_native", vocab_start=self.vocab_start,
-                vocab_group=self.vocab_group, draft_kv_translator=compat.kv_translator(self.draft_runner),
+                block_size=self.block_size, paged_verify=self.backend != "torch_native", vocab=self.vocab,
+                draft_kv_translator=compat.kv_translator(self.draft_runner),
                 target_kv_translator=compat.kv_translator(self.target_runner))
         return self._models
 
@@ -139,7 +139,7 @@ class DFlashWorker(BaseSpecWorker):
         super().init_cuda_graphs()
         self.step_graphs = step_graphs.capture(self.models, (self.target_runner, self.draft_runner), self.backend,
                                                self.state_commit is not None, self.widths.possible_widths(),
-                                               self.device, sampled=self.step_samples)
+                                               self.device)
 
     @property
     def spec_v2_attn_backends(self) -> tuple:
@@ -193,7 +193,7 @@ class DFlashWorker(BaseSpecWorker):
         seq_lens, rows = batch.seq_lens.to(torch.int64), batch.req_pool_indices.to(torch.int64)
         bs = batch.batch_size()
         width = self.widths.choose(bs)
-        kind = step_accept_kind(batch, step_samples=self.step_samples)
+        kind = step_accept_kind(batch)
         step_kind = GREEDY if kind == BLOCK else kind
         graphed = self.step_graphs is not None and self.step_graphs.serves(bs, width, step_kind)
         if graphed:
@@ -209,7 +209,7 @@ class DFlashWorker(BaseSpecWorker):
             accepted = res.accept_lens, res.bonus_tokens, res.committed, res.new_seq_lens
         else:
             accepted = self.sampler.accept(batch, res.draft_tokens, res.logits)
-            if self.tp_group is not None:  # sampled on every rank: rank 0's draw decides
+            if self.tp_group is not None:  # SGLang's sampler drew on every rank: rank 0's draw decides
                 accepted = agree_on_accept(accepted, self.tp_group)
         accept_lens, _, committed, _ = accepted
         if self.state_commit is not None:  # hybrid target: linear-attention states after the committed tokens
