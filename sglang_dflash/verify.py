@@ -73,8 +73,40 @@ class VocabSplit:
         x = x.to(torch.float32)
         if self.group is None:
             return torch.softmax(x, dim=-1)
-        lse = torch.logsumexp(self.gathered(torch.logsumexp(x, dim=-1)), dim=0)
-        return torch.exp(x - lse.unsqueeze(-1))
+        return torch.exp(x - self._logsumexp(x).unsqueeze(-1))
+
+    def filtered_softmax(self, x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                         candidates: int = 64) -> torch.Tensor:
+        """This rank's shard ``[b, ..., size]`` of ``softmax(x)`` over the whole vocabulary under `target_probs`'
+        top-k / top-p / min-p rule (``[b]`` each), decided on the ``candidates`` largest scores of the whole
+        vocabulary (gathered from every rank's own largest): exact where top-k is at most ``candidates`` or the top-p
+        cut falls among them, up to ties at the cut; where the cut lies beyond them, every token past them that
+        min-p keeps stays in. Renormalised. (A proposal law, so it need not be exact: `sample_predictions` is exact
+        for any law it is given.)"""
+        x = x.to(torch.float32)
+        bcast = (x.shape[0],) + (1,) * (x.dim() - 1)
+        lse = self._logsumexp(x).unsqueeze(-1)
+        mine = x.topk(min(candidates, x.shape[-1]), dim=-1).values
+        if self.group is not None:
+            mine = torch.movedim(self.gathered(mine), 0, -2).flatten(-2)
+        cand = mine.topk(min(candidates, mine.shape[-1]), dim=-1).values  # [b, ..., K] descending
+        K = cand.shape[-1]
+        pc = torch.exp(cand - lse)
+        k = top_k.view(bcast).to(torch.int64)
+        k = torch.where((k < 1) | (k > self.total), torch.full_like(k, self.total), k)
+        keep = ((torch.arange(K, device=x.device) < k) & (pc.cumsum(-1) - pc <= top_p.to(torch.float32).view(bcast))
+                & (pc >= min_p.to(torch.float32).view(bcast) * pc[..., :1]))
+        kept = keep.sum(-1, keepdim=True)  # a prefix of the candidates, at least the first
+        cut = cand.gather(-1, kept - 1)
+        cut = torch.where((kept == K) & (k > K), torch.full_like(cut, -torch.inf), cut)
+        floor = cand[..., :1] + torch.log(min_p.to(torch.float32).view(bcast))
+        law = torch.where((x >= cut) & (x >= floor), torch.exp(x - lse), torch.zeros_like(x))
+        return law / self.sum(law.sum(-1)).unsqueeze(-1)
+
+    def _logsumexp(self, x: torch.Tensor) -> torch.Tensor:
+        """logsumexp of ``x [..., size]`` over the whole vocabulary ``[...]``."""
+        lse = torch.logsumexp(x, dim=-1)
+        return lse if self.group is None else torch.logsumexp(self.gathered(lse), dim=0)
 
 
 def _check_per_request(name: str, t: torch.Tensor, b: int, device: torch.device) -> None:

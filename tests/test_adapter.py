@@ -1192,3 +1192,14 @@ def test_sampled_accept_commits_the_targets_law(monkeypatch):
     fresh = sample_rows(sampler, info_for(n), base.repeat(n, 1), torch.zeros(n), B).view(n, B)
     broken_first = torch.where(rows[:, 0] == drafts[:, 1], drafts[:, 1], fresh[:, 0])
     assert fits(broken_first[~group], laws[0][0]) < 1e-4
+
+
+def test_sampled_step_graphs_only_where_a_vocabulary_row_block_fits():
+    """Each (batch size, width) is captured greedy, and sampled / filtered where a [bs x width, V] float32 tensor fits
+    `SAMPLED_ROWS_BYTES` (256 MiB): SmolLM2's 49,152 ids up to 1,365 rows, Qwen3's 151,936 up to 441."""
+    from sglang_dflash.adapter.sampling import FILTERED, GREEDY, SAMPLED
+    from sglang_dflash.adapter.step_graphs import accept_kinds
+
+    assert set(accept_kinds(64, 16, 49152)) == {GREEDY, SAMPLED, FILTERED}  # 1,024 rows
+    assert len(accept_kinds(91, 15, 49152)) == 3 and accept_kinds(683, 2, 49152) == (GREEDY,)  # 1,365 / 1,366 rows
+    assert len(accept_kinds(441, 1, 151936)) == 3 and accept_kinds(442, 1, 151936) == (GREEDY,)

@@ -165,12 +165,19 @@ def _split_sampling_checks(rank: int, group, out: dict) -> None:
     split = VocabSplit(rank * half, half, V, group)
     mine = SimpleNamespace(**{**vars(full), "lm_head_weight": weight[rank * half:(rank + 1) * half], "vocab": split})
 
-    torch.manual_seed(7)
-    want, want_law = propose(full, hidden, ids, bs, B, sampling)
-    torch.manual_seed(7)
-    got, got_law = propose(mine, hidden, ids, bs, B, sampling)
-    torch.testing.assert_close(got_law, want_law[..., rank * half:(rank + 1) * half], rtol=1e-5, atol=1e-7)
-    assert torch.equal(got, want), (got, want)
+    # filtered: top-k 1 (a greedy row of a mixed batch), top-k 3, top-p 0.5, min-p 0.1 -- cuts among the 64
+    # candidates, where the shards' law is the whole vocabulary's
+    filtered = StepSampling(sampling.temperature, torch.tensor([1, 3, -1, -1, 10, -1]), torch.tensor(
+        [1.0, 1.0, 0.5, 1.0, 0.9, 1.0]), torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0, 0.0]), filtered=True)
+    for params in (filtered, sampling):
+        torch.manual_seed(7)
+        want, want_law = propose(full, hidden, ids, bs, B, params)
+        torch.manual_seed(7)
+        got, got_law = propose(mine, hidden, ids, bs, B, params)
+        torch.testing.assert_close(got_law, want_law[..., rank * half:(rank + 1) * half], rtol=1e-5, atol=1e-7)
+        assert torch.equal(got, want), (got, want)
+        support = (want_law > 0).sum(-1)
+        assert (support[0] == 1).all() == params.filtered and (support[1] <= 3).all() == params.filtered
     # a split draw whose ranks draw only their own shard's noise from the same state: correlated shards, other tokens
     torch.manual_seed(7)
     race = torch.empty_like(got_law).exponential_()

@@ -434,3 +434,27 @@ def test_sample_predictions_rejects_a_draft_law_of_the_wrong_shape():
     probs = torch.full((2, 3, V), 1.0 / V)
     with pytest.raises(ValueError, match=r"draft_probs must be \[batch, block_size - 1, vocab\]"):
         sample_predictions(torch.zeros(2, 3, dtype=torch.int64), probs, draft_probs=torch.full((2, 3, V), 1.0 / V))
+
+
+def test_candidate_filtered_law_is_target_probs_where_the_cut_falls_among_the_candidates():
+    """`VocabSplit.filtered_softmax` (the draft's filtered law under tensor parallelism, decided on the K largest
+    scores) equals `target_probs`' filtered law where top-k <= K, where the top-p / min-p cut falls among the K, and
+    where min-p alone cuts past them; where a top-p cut lies past them (top-p 0.999, no top-k) its support holds
+    `target_probs`' and it still sums to 1."""
+    from sglang_dflash.verify import VocabSplit
+
+    g = torch.Generator().manual_seed(5)
+    V, K = 301, 8
+    x = torch.randn(7, 3, V, generator=g) * 2.5
+    top_k = torch.tensor([1, 5, 8, -1, -1, -1, -1])
+    top_p = torch.tensor([1.0, 0.9, 1.0, 0.3, 1.0, 1.0, 0.999])
+    min_p = torch.tensor([0.0, 0.0, 0.05, 0.0, 0.2, 0.01, 0.0])
+    got = VocabSplit.whole(V).filtered_softmax(x, top_k, top_p, min_p, candidates=K)
+    want = target_probs(x, torch.ones(7), top_k, top_p, min_p)
+    support = (want > 0).sum(-1)
+    assert (support[3:5] <= K).all() and (support[5:] > K).all()  # cuts among the K / past them
+    torch.testing.assert_close(got[:6], want[:6], rtol=1e-5, atol=1e-7)
+    assert ((got[6] > 0) | (want[6] == 0)).all() and ((got[6] > 0).sum(-1) > K).all()  # a superset of the support
+    torch.testing.assert_close(got[6].sum(-1), torch.ones(3))
+    # top-k 1 rows are the argmax's point mass (greedy requests of a mixed batch)
+    assert torch.equal(got[0].argmax(-1), x[0].argmax(-1)) and torch.equal(got[0].max(-1).values, torch.ones(3))

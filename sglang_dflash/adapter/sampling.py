@@ -198,11 +198,14 @@ class StepSampling:
     def draft_law(self, scores: torch.Tensor, vocab: VocabSplit) -> torch.Tensor:
         """The law drafts are drawn from: draft scores ``[bs, n, V_local]`` -> float32 ``[bs, n, V_local]``, `probs`
         (the requests' own parameters) over a whole vocabulary; over a split one (tensor parallelism), this rank's
-        shard of the softmax at the requests' temperature, unfiltered (the filters' sort would need the whole
-        vocabulary; any law is a valid proposal, a filtered one is accepted more often)."""
+        shard of the softmax at the requests' temperature, with the filters decided on the whole vocabulary's 64
+        largest scores (`VocabSplit.filtered_softmax`: a sort of the whole vocabulary would need it on one rank)."""
         if vocab.group is None:
             return self.probs(scores)
-        return vocab.softmax(scores.to(torch.float32) / self.temperature.view(-1, 1, 1))
+        x = scores.to(torch.float32) / self.temperature.view(-1, 1, 1)
+        if not self.filtered:
+            return vocab.softmax(x)
+        return vocab.filtered_softmax(x, self.top_k, self.top_p, self.min_p)
 
 
 # How a decode step accepts: its own greedy accept; its own sampled accept, without or with the top-k / top-p /

@@ -58,6 +58,12 @@ SEQ_LEN_FILL = 1  # committed length of padded rows (FlashInfer needs kv_len >= 
 SAMPLED_ROWS_BYTES = 256 << 20
 
 
+def accept_kinds(bs: int, width: int, vocab_size: int) -> tuple[str, ...]:
+    """The accept kinds captured for ``bs`` requests at ``width``: greedy, and the sampled ones where a
+    ``[bs * width, vocab_size]`` float32 tensor fits `SAMPLED_ROWS_BYTES`."""
+    return (FILTERED, SAMPLED, GREEDY) if bs * width * vocab_size * 4 <= SAMPLED_ROWS_BYTES else (GREEDY,)
+
+
 def capture(m: StepModels, runners: Sequence, backend: str, hybrid: bool, widths: Sequence[int],
             device) -> StepGraphs | None:
     """`decode_step` captured for the batch sizes both ``runners`` (target, draft) captured x ``widths`` (x the sampled
@@ -80,8 +86,11 @@ def capture(m: StepModels, runners: Sequence, backend: str, hybrid: bool, widths
         logger.info("sglang-dflash: the decode step runs eagerly (%s)", reason)
         return None
     sizes = sorted(set.intersection(*(set(r.decode_cuda_graph_runner.capture_bs) for r in runners)))
+    vocab_size = runners[0].model_config.vocab_size
+    logger.info("sglang-dflash: capturing the decode step: batch sizes %s x verify widths %s, %d graphs",
+                sizes, widths, sum(len(accept_kinds(bs, w, vocab_size)) for bs in sizes for w in widths))
     t0, free0 = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
-    graphs = StepGraphs(m, sizes, widths, runners[0].model_config.vocab_size, device, hybrid)
+    graphs = StepGraphs(m, sizes, widths, vocab_size, device, hybrid)
     pairs = sorted({(bs, w) for bs, w, kind in graphs.captured if kind == SAMPLED})
     logger.info("sglang-dflash: decode step captured as one CUDA graph for batch sizes %s x verify widths %s; "
                 "sampled steps for %d (batch size, width) pairs up to %d rows; %d graphs in %.1f s, %.2f GB",
@@ -185,7 +194,6 @@ class StepGraphs:
         ones = lambda dtype: torch.ones(max_bs, dtype=dtype, device=dev)  # noqa: E731
         self.sampling = StepSampling(ones(torch.float32), ones(torch.int64), ones(torch.float32),
                                      torch.zeros(max_bs, dtype=torch.float32, device=dev), filtered=False)
-        sampled_rows = SAMPLED_ROWS_BYTES // (4 * vocab_size)
         # one float logits buffer for every graph (SGLang's logits processor copies into it): per-graph logits
         # outputs would each stay alive with their graph
         self.logits = torch.zeros((max_bs * self.B, vocab_size), dtype=torch.float, device=dev)
@@ -200,9 +208,8 @@ class StepGraphs:
             for bs in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool
                 draft = None  # (layout, plan, forward_metadata) of this size's draft wrappers, shared by its widths
                 for w in reversed(self.widths):
-                    kinds = (FILTERED, SAMPLED, GREEDY) if bs * w <= sampled_rows else (GREEDY,)
                     target = None  # (layout, plan) of this (size, width)'s target wrappers, shared by its kinds
-                    for kind in kinds:
+                    for kind in accept_kinds(bs, w, vocab_size):
                         c, draft, target = self._capture(bs, w, kind, draft, target, context.stream, pool, dev)
                         self.captured[(bs, w, kind)] = c
                         pool = c.graph.pool()
