@@ -86,6 +86,29 @@ def accept_length(metas: list[dict]) -> float | None:
     return sum(m["completion_tokens"] - 1 for m in metas) / sum(m["spec_verify_ct"] for m in metas)
 
 
+def startup_report(log: str, seconds: float) -> dict:
+    """What a server's start-up ``log`` says about its CUDA graph captures: SGLang's (``[what, seconds]`` each, in
+    log order) and the DFLASH step's (graphs planned; graphs, seconds and GB once done), with the ``seconds`` the
+    start took (or had taken when it was given up)."""
+    sglang = [[m[1], float(m[2])] for m in re.finditer(r"Capture ([\w ]+?) CUDA graph end\. elapsed=([\d.]+) s", log)]
+    planned = re.search(r"sglang-dflash: capturing the decode step: .*?, (\d+) graphs", log)
+    done = re.search(r"decode step captured as one CUDA graph .*?; (\d+) graphs in ([\d.]+) s, (-?[\d.]+) GB", log)
+    return {"seconds": seconds, "sglang_captures": sglang, "step_graphs_planned": planned and int(planned[1]),
+            "step_graphs": done and {"graphs": int(done[1]), "seconds": float(done[2]), "gb": float(done[3])}}
+
+
+def describe_startup(r: dict) -> str:
+    parts = [f"start-up {r['seconds']:.0f} s"]
+    if r["sglang_captures"]:
+        parts.append("SGLang's graphs " + ", ".join(f"{what} {sec:.1f} s" for what, sec in r["sglang_captures"]))
+    if r["step_graphs"]:
+        g = r["step_graphs"]
+        parts.append(f"decode step {g['graphs']} graphs in {g['seconds']:.1f} s, {g['gb']:.2f} GB")
+    elif r["step_graphs_planned"]:
+        parts.append(f"decode step capture of {r['step_graphs_planned']} graphs begun, not finished")
+    return "; ".join(parts)
+
+
 def held_out_prompts(target: Path, n: int) -> list[list[int]]:
     """``n`` held-out prompts (MT-Bench, HumanEval, GSM8K interleaved), chat-templated token ids of ``target``."""
     from transformers import AutoTokenizer
@@ -198,12 +221,16 @@ def main() -> None:
                "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "servers": {}}
     for name in args.servers.split(","):
         extra = [] if name == "nospec" else ["--speculative-adaptive-config", WIDTHS[name]]
+        t0 = time.time()
         server = Server(name, target, None if name == "nospec" else draft, "sglang_dflash", out,
                         extra=extra, flags=flags(args.concurrency))
         one_pass = functools.partial(load, server, args.concurrency, args.new_tokens, args.prompt_len, args.temperature,
                                      prompts)
         try:
-            if not server.wait(time.time() + args.startup_timeout):
+            ready = server.wait(t0 + args.startup_timeout)
+            startup = startup_report(server.log.read_text(errors="replace"), time.time() - t0)
+            print(f"{name}: {describe_startup(startup)}", flush=True)
+            if not ready:
                 raise SystemExit(f"{name}: {server.error}; see {server.log}")
             one_pass()  # warm-up
             widths_before = verify_widths(server)
@@ -222,7 +249,7 @@ def main() -> None:
         accept = statistics.mean(accepts) if None not in accepts else 1.0
         results["servers"][name] = {"seconds": list(passes), "ms_per_step": ms, "steps_per_width": widths,
                                     "accept_length": accept, "tokens_per_step": per_step,
-                                    "ms_per_decode_step": ms * per_step}
+                                    "ms_per_decode_step": ms * per_step, "startup": startup}
         if args.kernel_profile:
             results["servers"][name]["kernel_profile"] = profile
         print(f"{name}: {ms:.2f} ms per step (passes {', '.join(f'{s:.2f}' for s in passes)} s)"
