@@ -14,8 +14,11 @@ only when a step verifies it again, so a narrow phase keeps what wider steps saw
 takes the prior, capped by ``S_{k-1}``), ``t(bs, w)`` from measured step times per (batch-size bucket, width), taken
 non-decreasing in ``w`` (a wider step does all a narrower one does and more, so a wider width measured no slower is
 charged the narrower one's time: when the step is bound by the host, the times of every width are one figure plus
-noise, and noise must not buy a width that commits nothing more). A new bucket starts from the nearest measured
-bucket's times; a width measured in neither is tried once (also when its time comes back steps later, as under the
+noise, and noise must not buy a width that commits nothing more). A width's time is the smaller of its first two
+measurements (a width next to the best, measured once, is measured again before it is written off: a host stall
+lengthens a step, never shortens it), then a moving average in which a stall counts as twice the estimate at most.
+A new bucket starts from the nearest measured bucket's times, each replaced by the first measurement there; a
+width measured in neither is tried once (also when its time comes back steps later, as under the
 overlap schedule); every ``explore_every`` steps of a bucket the width measured longest ago is tried again, so a
 change in either the acceptance or the cost is seen. Above ``max_batch_size`` requests every step is a plain decode
 step. Plain Python (no tensors): the caller hands in accept lengths and seconds it already has on the host.
@@ -98,6 +101,7 @@ def bucket(bs: int) -> int:
 class _Cost:
     seconds: float
     last_step: int  # the bucket's step count when last measured
+    samples: int = 1  # steps measured in this bucket (0: borrowed from another bucket)
 
 
 @dataclass
@@ -162,6 +166,12 @@ class WidthPolicy:
             rate = sum(s[:w]) / floor
             if rate > best_rate:
                 best, best_rate = w, rate
+        i = self.widths.index(best)
+        for w in self.widths[max(i - 1, 0):i + 2]:  # a neighbour of the best measured once: once more first
+            cost = self.costs.get((b, w))
+            if w != best and cost is not None and cost.samples == 1 and (b, w) not in self.trying:
+                self.trying.add((b, w))
+                return w
         return best
 
     def _borrow_costs(self, b: int) -> None:
@@ -173,15 +183,21 @@ class WidthPolicy:
         near = min(known, key=lambda k: abs(k.bit_length() - b.bit_length()))
         for w in self.widths:
             if (near, w) in self.costs:
-                self.costs[(b, w)] = _Cost(self.costs[(near, w)].seconds, -1)
+                self.costs[(b, w)] = _Cost(self.costs[(near, w)].seconds, -1, samples=0)
 
     def observe(self, bs: int, width: int, accept_lens: list[int], seconds: float) -> None:
         """A finished step: its width, the accepted draft count of each of its ``bs`` rows, its duration."""
         b = bucket(bs)
         self.trying.discard((b, width))
         old = self.costs.get((b, width))
-        smoothed = seconds if old is None else 0.8 * old.seconds + 0.2 * seconds
-        self.costs[(b, width)] = _Cost(smoothed, self.steps.get(b, 0))
+        if old is None or old.samples == 0:  # the first time measured here (a borrowed time is replaced)
+            estimate = seconds
+        elif old.samples == 1:  # the second: a host stall lengthens a step, never shortens it
+            estimate = min(old.seconds, seconds)
+        else:  # a stall counts as twice the estimate at most
+            estimate = 0.8 * old.seconds + 0.2 * min(seconds, 2 * old.seconds)
+        samples = 1 if old is None else old.samples + 1
+        self.costs[(b, width)] = _Cost(estimate, self.steps.get(b, 0), samples)
         if width <= 1:
             return
         keep = max(self.decay ** len(accept_lens), 0.5)  # only the positions this step verified age

@@ -229,6 +229,7 @@ def sample_predictions(
         generator: optional ``torch.Generator`` on ``probs.device``.
         draft_probs: ``[b, B-1, V]`` the laws ``d_1 .. d_{B-1}`` were drawn from, or None (point masses); under a
             split ``vocab``, this rank's shard ``[b, B-1, vocab.size]`` (``probs`` stays whole).
+        vocab: the `VocabSplit` of ``draft_probs`` (None: the whole vocabulary).
 
     Returns:
         target_tokens: ``[b, B]`` int64 (the same on every rank of ``vocab``).
