@@ -184,7 +184,8 @@ def _split_sampling_checks(rank: int, group, out: dict) -> None:
     assert not torch.equal(split.argmax(got_law / race), want[:, 1:])
 
     scores = draft_logits(cfg, hidden.view(bs, B, H) @ weight.t())  # target logits near the draft's: some accepted
-    logits = torch.cat([scores[:, 1:], torch.randn(bs, 1, V, generator=g)], dim=1) + 0.7 * torch.randn(bs, B, V, generator=g)
+    logits = torch.cat([scores[:, 1:], torch.randn(bs, 1, V, generator=g)], dim=1)
+    logits = logits + 0.7 * torch.randn(bs, B, V, generator=g)
     probs = sampling.probs(logits)
     results = []
     for law in (got_law, want_law[..., rank * half:(rank + 1) * half]):

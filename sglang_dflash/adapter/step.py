@@ -17,12 +17,12 @@ verifies the first ``w`` of them, ``[bonus, d_1 .. d_{w-1}]``, where ``w`` is th
 (`StepBatch.width`, `sglang_dflash.policy`; B unless chosen otherwise). Width 1 is a plain decode step: no draft
 forward, the target decodes the bonus token and the draft's context K/V for it is still written.
 
-The accept is the step's own in two cases: greedy (the target's argmax), and sampling under the requests' temperature /
-top-k / top-p / min-p (`sampling.StepSampling`): each draft d_k is drawn from the draft's law q_k
-(`StepSampling.draft_law`), and the verify keeps it with probability min(1, p_k(d_k) / q_k(d_k)), else draws from max(p_k - q_k, 0)
-(`sglang_dflash.verify`, the one copy of the rule; under tensor parallelism over the ranks' vocabulary shards,
-`verify.VocabSplit`). A batch whose logits need more (grammars, penalties, min_new_tokens,
-logit bias, custom processors, seeded sampling) runs the greedy step and accepts on ``StepResult.logits`` with
+The accept is the step's own in two cases: greedy (the target's argmax), and sampling under the requests'
+temperature / top-k / top-p / min-p (`sampling.StepSampling`): each draft d_k is drawn from the draft's law q_k
+(`StepSampling.draft_law`), and the verify keeps it with probability min(1, p_k(d_k) / q_k(d_k)), else draws from
+max(p_k - q_k, 0) (`sglang_dflash.verify`, the one copy of the rule; under tensor parallelism over the ranks'
+vocabulary shards, `verify.VocabSplit`). A batch whose logits need more (grammars, penalties, min_new_tokens, logit
+bias, custom processors, seeded sampling) runs the greedy step and accepts on ``StepResult.logits`` with
 `sampling.BlockSampler`.
 """
 
