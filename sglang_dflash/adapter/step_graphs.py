@@ -93,9 +93,10 @@ def capture(m: StepModels, runners: Sequence, backend: str, hybrid: bool, widths
     graphs = StepGraphs(m, sizes, widths, vocab_size, device, hybrid)
     pairs = sorted({(bs, w) for bs, w, kind in graphs.captured if kind == SAMPLED})
     logger.info("sglang-dflash: decode step captured as one CUDA graph for batch sizes %s x verify widths %s; "
-                "sampled steps for %d (batch size, width) pairs up to %d rows; %d graphs in %.1f s, %.2f GB",
+                "sampled steps for %d (batch size, width) pairs up to %d rows; %d graphs in %.1f s (the first, "
+                "with its kernels' first compilation: %.1f s), %.2f GB",
                 sizes, widths, len(pairs), max((bs * w for bs, w in pairs), default=0), len(graphs.captured),
-                time.perf_counter() - t0, (free0 - torch.cuda.mem_get_info(device)[0]) / 1e9)
+                time.perf_counter() - t0, graphs.first_s, (free0 - torch.cuda.mem_get_info(device)[0]) / 1e9)
     return graphs
 
 
@@ -201,7 +202,8 @@ class StepGraphs:
                           for rows in {*self.widths, self.B}}
         self.plan_scratch = torch.zeros(3 * triton_next_power_of_2(max_bs), dtype=torch.int32, device=dev)
         self.captured: dict[tuple[int, int, str], _Captured] = {}
-        pool = None
+        self.first_s = 0.0  # seconds of the first capture (warm-ups that compile kernels included)
+        pool, t0 = None, time.perf_counter()
         # SGLang's capture context: under tensor parallelism the draft's and the target's all-reduces / gathers
         # go to the communicators that can be captured (PyNccl, custom all-reduce), as in SGLang's own graphs
         with graph_capture() as context:
@@ -213,6 +215,7 @@ class StepGraphs:
                         c, draft, target = self._capture(bs, w, kind, draft, target, context.stream, pool, dev)
                         self.captured[(bs, w, kind)] = c
                         pool = c.graph.pool()
+                        self.first_s = self.first_s or time.perf_counter() - t0
 
     # ---- capture -------------------------------------------------------------------------
     def _capture(self, bs: int, w: int, kind: str, draft, target, stream: torch.cuda.Stream, pool, dev):
