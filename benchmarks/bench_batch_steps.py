@@ -93,10 +93,12 @@ def startup_report(log: str, seconds: float) -> dict:
     sglang = [[m[1], float(m[2])] for m in re.finditer(r"Capture ([\w ]+?) CUDA graph end\. elapsed=([\d.]+) s", log)]
     planned = re.search(r"sglang-dflash: capturing the decode step: .*?, (\d+) graphs", log)
     done = re.search(r"decode step captured as one CUDA graph .*?; (\d+) graphs in ([\d.]+) s "
-                     r"\(the first, with its kernels' first compilation: ([\d.]+) s\), (-?[\d.]+) GB", log)
+                     r"\(the first, with its kernels' first compilation: ([\d.]+) s; eager warm-ups ([\d.]+) s, "
+                     r"recording ([\d.]+) s\), (-?[\d.]+) GB", log)
     return {"seconds": seconds, "sglang_captures": sglang, "step_graphs_planned": planned and int(planned[1]),
             "step_graphs": done and {"graphs": int(done[1]), "seconds": float(done[2]), "first_seconds": float(done[3]),
-                                     "gb": float(done[4])}}
+                                     "warmup_seconds": float(done[4]), "record_seconds": float(done[5]),
+                                     "gb": float(done[6])}}
 
 
 def describe_startup(r: dict) -> str:
@@ -105,8 +107,8 @@ def describe_startup(r: dict) -> str:
         parts.append("SGLang's graphs " + ", ".join(f"{what} {sec:.1f} s" for what, sec in r["sglang_captures"]))
     if r["step_graphs"]:
         g = r["step_graphs"]
-        parts.append(f"decode step {g['graphs']} graphs in {g['seconds']:.1f} s (first {g['first_seconds']:.1f} s), "
-                     f"{g['gb']:.2f} GB")
+        parts.append(f"decode step {g['graphs']} graphs in {g['seconds']:.1f} s (first {g['first_seconds']:.1f} s; "
+                     f"warm-ups {g['warmup_seconds']:.1f} s, recording {g['record_seconds']:.1f} s), {g['gb']:.2f} GB")
     elif r["step_graphs_planned"]:
         parts.append(f"decode step capture of {r['step_graphs_planned']} graphs begun, not finished")
     return "; ".join(parts)

@@ -94,9 +94,10 @@ def capture(m: StepModels, runners: Sequence, backend: str, hybrid: bool, widths
     pairs = sorted({(bs, w) for bs, w, kind in graphs.captured if kind == SAMPLED})
     logger.info("sglang-dflash: decode step captured as one CUDA graph for batch sizes %s x verify widths %s; "
                 "sampled steps for %d (batch size, width) pairs up to %d rows; %d graphs in %.1f s (the first, "
-                "with its kernels' first compilation: %.1f s), %.2f GB",
+                "with its kernels' first compilation: %.1f s; eager warm-ups %.1f s, recording %.1f s), %.2f GB",
                 sizes, widths, len(pairs), max((bs * w for bs, w in pairs), default=0), len(graphs.captured),
-                time.perf_counter() - t0, graphs.first_s, (free0 - torch.cuda.mem_get_info(device)[0]) / 1e9)
+                time.perf_counter() - t0, graphs.first_s, graphs.warmup_s, graphs.record_s,
+                (free0 - torch.cuda.mem_get_info(device)[0]) / 1e9)
     return graphs
 
 
@@ -203,6 +204,7 @@ class StepGraphs:
         self.plan_scratch = torch.zeros(3 * triton_next_power_of_2(max_bs), dtype=torch.int32, device=dev)
         self.captured: dict[tuple[int, int, str], _Captured] = {}
         self.first_s = 0.0  # seconds of the first capture (warm-ups that compile kernels included)
+        self.warmup_s = self.record_s = 0.0  # seconds of all captures' eager warm-ups, and of their recording
         pool, t0 = None, time.perf_counter()
         # SGLang's capture context: under tensor parallelism the draft's and the target's all-reduces / gathers
         # go to the communicators that can be captured (PyNccl, custom all-reduce), as in SGLang's own graphs
@@ -249,15 +251,18 @@ class StepGraphs:
 
         torch.cuda.synchronize(dev)
         graph = torch.cuda.CUDAGraph()
+        t0 = time.perf_counter()
         with torch.no_grad():
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up outside capture (JIT, autotuning, workspaces)
                     decode_step(m, b, plan)
             torch.cuda.synchronize(dev)
             torch.cuda.empty_cache()  # the warm-up's blocks, which the capture's private pool cannot use
+            t1 = time.perf_counter()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 outputs = decode_step(m, b, plan)
         torch.cuda.synchronize(dev)
+        self.warmup_s, self.record_s = self.warmup_s + t1 - t0, self.record_s + time.perf_counter() - t1
         return _Captured(graph, b, plan, outputs, packed), draft, target
 
     def _own_wrappers(self, backend, fb, bs: int, rows: int) -> _Wrappers:
