@@ -1194,6 +1194,32 @@ def test_sampled_accept_commits_the_targets_law(monkeypatch):
     assert fits(broken_first[~group], laws[0][0]) < 1e-4
 
 
+def test_step_graphs_planned_cover_every_width_the_policy_can_choose_and_no_more():
+    """Every width the policy can choose for n requests has a graph at the size n pads to (a missing one would run
+    that step eagerly, with a host sync); above the batch-size ceiling only width 1 is captured (plain decode)."""
+    from sglang_dflash.adapter.sampling import FILTERED, GREEDY, SAMPLED
+    from sglang_dflash.adapter.step import padded_rows
+    from sglang_dflash.adapter.step_graphs import planned_graphs
+    from sglang_dflash.policy import WidthPolicy
+
+    sizes = [*range(1, 9), *range(10, 33, 2), *range(40, 65, 4)]  # SGLang's speculative ladder up to 64: 27 sizes
+    widths = [1, 2, 4, 8, 16]
+    plan = planned_graphs(sizes, widths, 49152)
+    assert len(plan) == len(set(plan)) == 27 * 5 * 3
+    assert plan[:3] == [(64, 16, FILTERED), (64, 16, SAMPLED), (64, 16, GREEDY)]  # largest first, kinds together
+    assert plan[-1] == (1, 1, GREEDY)
+    for ceiling, top in ((21, 22), (20, 20), (64, 64), (100, 64), (0, 0)):
+        plan = planned_graphs(sizes, widths, 49152, ceiling)
+        policy = WidthPolicy(16, tuple(widths), ceiling)
+        for n in range(1, 65):
+            m = padded_rows(n, sizes)
+            choosable = widths if n <= ceiling else [policy.choose(n)]
+            assert choosable == widths or choosable == [1]
+            assert all((m, w, GREEDY) in plan for w in choosable)
+        assert {(bs, w) for bs, w, _ in plan} == {(bs, w) for bs in sizes for w in (widths if bs <= top else [1])}
+    assert len(planned_graphs(sizes, widths, 49152, 21)) == (15 * 5 + 12) * 3  # 15 sizes up to 22, 12 above
+
+
 def test_sampled_step_graphs_only_where_a_vocabulary_row_block_fits():
     """Each (batch size, width) is captured greedy, and sampled / filtered where a [bs x width, V] float32 tensor fits
     `SAMPLED_ROWS_BYTES` (256 MiB): SmolLM2's 49,152 ids up to 1,365 rows, Qwen3's 151,936 up to 441."""

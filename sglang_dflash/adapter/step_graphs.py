@@ -16,7 +16,8 @@ Padding: a batch of n requests replays the graph of the next captured size m >= 
 committed length 1 and request-pool row 0, and every KV write of those rows (draft block, target
 block, draft context) goes to SGLang's padding slot 0.
 
-Widths: every candidate verify width of the policy (`sglang_dflash.policy`) is captured for every batch size, so
+Widths: every candidate verify width of the policy (`sglang_dflash.policy`) is captured for every batch size up to
+the one a batch at the policy's batch-size ceiling replays, width 1 alone above it (`planned_graphs`), so
 a narrower step replays a graph as well (an eager step would read the committed lengths on the host: a sync that
 stops the overlap schedule). The draft forward always runs the whole block, so a batch size's draft wrappers serve
 all its widths; the target's wrappers are per (size, width). Each owns an 8 MiB FlashInfer int workspace.
@@ -64,8 +65,22 @@ def accept_kinds(bs: int, width: int, vocab_size: int) -> tuple[str, ...]:
     return (FILTERED, SAMPLED, GREEDY) if bs * width * vocab_size * 4 <= SAMPLED_ROWS_BYTES else (GREEDY,)
 
 
+def planned_graphs(sizes: Sequence[int], widths: Sequence[int], vocab_size: int,
+                   max_batch_size: int | None = None) -> list[tuple[int, int, str]]:
+    """(batch size, width, accept kind) of each graph to capture, in capture order (largest first: the smaller
+    graphs reuse its memory pool): every width at the sizes a batch of at most ``max_batch_size`` requests (the
+    policy's ceiling; None: none) replays, width 1 only above them (the policy runs plain decode steps there)."""
+    sizes, widths = sorted({int(b) for b in sizes}), sorted({int(w) for w in widths})
+    if max_batch_size is None:
+        top = sizes[-1]
+    else:  # the size a batch of max_batch_size requests replays (0: none speculates)
+        top = (padded_rows(max_batch_size, sizes) or sizes[-1]) if max_batch_size > 0 else 0
+    return [(bs, w, kind) for bs in reversed(sizes) for w in reversed(widths if bs <= top else [1])
+            for kind in accept_kinds(bs, w, vocab_size)]
+
+
 def capture(m: StepModels, runners: Sequence, backend: str, hybrid: bool, widths: Sequence[int],
-            device) -> StepGraphs | None:
+            device, max_batch_size: int | None = None) -> StepGraphs | None:
     """`decode_step` captured for the batch sizes both ``runners`` (target, draft) captured x ``widths`` (x the sampled
     accept kinds where they fit), where it can be: CUDA graphs on, FlashInfer's fa2 prefill with one
     wrapper per model (a ``hybrid`` target's full-attention layers included; its linear-attention layers as
@@ -87,10 +102,11 @@ def capture(m: StepModels, runners: Sequence, backend: str, hybrid: bool, widths
         return None
     sizes = sorted(set.intersection(*(set(r.decode_cuda_graph_runner.capture_bs) for r in runners)))
     vocab_size = runners[0].model_config.vocab_size
-    logger.info("sglang-dflash: capturing the decode step: batch sizes %s x verify widths %s, %d graphs",
-                sizes, widths, sum(len(accept_kinds(bs, w, vocab_size)) for bs in sizes for w in widths))
+    logger.info("sglang-dflash: capturing the decode step: batch sizes %s x verify widths %s%s, %d graphs",
+                sizes, widths, "" if max_batch_size is None else f" (width 1 above {max_batch_size} requests)",
+                len(planned_graphs(sizes, widths, vocab_size, max_batch_size)))
     t0, free0 = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
-    graphs = StepGraphs(m, sizes, widths, vocab_size, device, hybrid)
+    graphs = StepGraphs(m, sizes, widths, vocab_size, device, hybrid, max_batch_size)
     pairs = sorted({(bs, w) for bs, w, kind in graphs.captured if kind == SAMPLED})
     logger.info("sglang-dflash: decode step captured as one CUDA graph for batch sizes %s x verify widths %s; "
                 "sampled steps for %d (batch size, width) pairs up to %d rows; %d graphs in %.1f s (the first, "
@@ -184,7 +200,7 @@ class StepGraphs:
     captured where they fit (`SAMPLED_ROWS_BYTES`)."""
 
     def __init__(self, m: StepModels, batch_sizes: Sequence[int], widths: Sequence[int], vocab_size: int, device,
-                 hybrid: bool = False):
+                 hybrid: bool = False, max_batch_size: int | None = None):
         self.m, self.B, self.hybrid = m, m.block_size, hybrid
         self.sizes = sorted({int(b) for b in batch_sizes})
         self.widths = sorted({int(w) for w in widths})
@@ -209,15 +225,17 @@ class StepGraphs:
         # SGLang's capture context: under tensor parallelism the draft's and the target's all-reduces / gathers
         # go to the communicators that can be captured (PyNccl, custom all-reduce), as in SGLang's own graphs
         with graph_capture() as context:
-            for bs in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool
-                draft = None  # (layout, plan, forward_metadata) of this size's draft wrappers, shared by its widths
-                for w in reversed(self.widths):
-                    target = None  # (layout, plan) of this (size, width)'s target wrappers, shared by its kinds
-                    for kind in accept_kinds(bs, w, vocab_size):
-                        c, draft, target = self._capture(bs, w, kind, draft, target, context.stream, pool, dev)
-                        self.captured[(bs, w, kind)] = c
-                        pool = c.graph.pool()
-                        self.first_s = self.first_s or time.perf_counter() - t0
+            # this size's draft wrappers (shared by its widths), this (size, width)'s target wrappers (by its kinds)
+            draft = target = last = None
+            for bs, w, kind in planned_graphs(self.sizes, self.widths, vocab_size, max_batch_size):
+                if last is None or bs != last[0]:
+                    draft = None
+                if (bs, w) != last:
+                    target = None
+                c, draft, target = self._capture(bs, w, kind, draft, target, context.stream, pool, dev)
+                self.captured[(bs, w, kind)] = c
+                pool, last = c.graph.pool(), (bs, w)
+                self.first_s = self.first_s or time.perf_counter() - t0
 
     # ---- capture -------------------------------------------------------------------------
     def _capture(self, bs: int, w: int, kind: str, draft, target, stream: torch.cuda.Stream, pool, dev):

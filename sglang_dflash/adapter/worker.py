@@ -139,7 +139,7 @@ class DFlashWorker(BaseSpecWorker):
         super().init_cuda_graphs()
         self.step_graphs = step_graphs.capture(self.models, (self.target_runner, self.draft_runner), self.backend,
                                                self.state_commit is not None, self.widths.possible_widths(),
-                                               self.device)
+                                               self.device, self.widths.policy.max_batch_size)
 
     @property
     def spec_v2_attn_backends(self) -> tuple:
