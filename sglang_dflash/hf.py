@@ -7,7 +7,9 @@ Per request row, with ``B = block_size``:
    forward over the context KV cache -> draft tokens ``d_1..d_{B-1}`` = argmax of the target lm_head on
    block positions 1..B-1 -> the target verifies ``[last, d_1..d_{B-1}]`` in one forward over its KV cache ->
    ``accept`` (sglang_dflash.verify) -> committed tokens ``d_1..d_{accept_len}, bonus`` -> the target cache
-   keeps ``accept_len + 1`` of the block's slots; the draft cache appends the context K/V of those tokens.
+   keeps ``accept_len + 1`` of the block's slots; the target features of those tokens wait in `_PendingContext`
+   until the draft next runs (or ``CONTEXT_FLUSH_TOKENS`` of them are pending), when their context K/V is
+   appended to the draft cache in one projection -- so a width-1 step (plain decode) costs the target's forward.
 
 Ragged batches: prompts are left padded; the target's 2D attention mask marks valid cache slots (rejected
 block slots of a row become masked holes, the cache is cropped to the longest row), position ids are per row.
@@ -30,6 +32,9 @@ from .policy import WidthPolicy
 from .verify import accept, draw, greedy_predictions, sample_predictions, target_probs
 
 Prompts = Union[Sequence[Sequence[int]], torch.Tensor]
+
+# pending committed tokens (per row, rejected slots included) at which their draft context K/V is written anyway
+CONTEXT_FLUSH_TOKENS = 64
 
 
 @dataclass
@@ -226,6 +231,33 @@ class _Batch:
         return idx
 
 
+class _PendingContext:
+    """Target features of committed tokens whose draft context K/V is not in the draft cache yet, as chunks
+    ``(feats [b, n, n_ids*H], positions [b, n], keep [b, n] bool)`` in commit order."""
+
+    def __init__(self):
+        self.chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.tokens = 0  # chunk columns held
+
+    def add(self, feats: torch.Tensor, positions: torch.Tensor, n_keep: torch.Tensor) -> None:
+        """The first ``n_keep[i]`` of row i's n tokens are committed."""
+        n = feats.shape[1]
+        keep = torch.arange(n, device=feats.device)[None, :] < n_keep[:, None]
+        self.chunks.append((feats, positions, keep))
+        self.tokens += n
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.chunks = [(f[rows], p[rows], k[rows]) for f, p, k in self.chunks]
+
+    def flush(self, draft: DFlashDraftModel, cache: DraftKVCache) -> None:
+        """Project every pending token at once and append its context K/V to ``cache``."""
+        if not self.chunks:
+            return
+        feats, positions, keep = (torch.cat(x, dim=1) for x in zip(*self.chunks))
+        cache.append(draft.context_kv(draft.project_context(feats), positions), keep)
+        self.chunks, self.tokens = [], 0
+
+
 # ---------------------------------------------------------------- engine
 
 class DFlashLM:
@@ -256,11 +288,6 @@ class DFlashLM:
     def _context_features(self, hidden_states: Sequence[torch.Tensor]) -> torch.Tensor:
         """HF hidden states tuple -> concat of outputs of ``target_layer_ids`` ``[b, n, len(ids)*H]``."""
         return torch.cat([hidden_states[i + 1] for i in self.layer_ids], dim=-1)
-
-    def _append_context(self, cache: DraftKVCache, feats: torch.Tensor, positions: torch.Tensor,
-                        n_new: torch.Tensor) -> None:
-        ctx = self.draft.project_context(feats)
-        cache.append(self.draft.context_kv(ctx, positions), n_new)
 
     @torch.no_grad()
     def generate(
@@ -299,8 +326,8 @@ class DFlashLM:
         idx = (torch.arange(t, device=device)[None, :] + (t - batch.prompt_lens)[:, None]).clamp(max=t - 1)
         feats = self._context_features(out.hidden_states)
         feats = torch.gather(feats, 1, idx[..., None].expand(-1, -1, feats.shape[-1]))
-        self._append_context(dcache, feats, torch.arange(t, device=device)[None, :].expand(bsz, t),
-                             batch.prompt_lens)
+        pending = _PendingContext()
+        pending.add(feats, torch.arange(t, device=device)[None, :].expand(bsz, t), batch.prompt_lens)
         running = batch.commit([[tok] for tok in first.tolist()])
         _sync(device)
         ttft = time.perf_counter() - start
@@ -311,10 +338,13 @@ class DFlashLM:
             if not bool(running.all()):
                 idx = batch.select(running)
                 dcache.select(idx)
+                pending.select(idx)
                 sampler.select(idx)
                 last = last[idx]
             w = B if widths is None else widths.choose(last.shape[0])
-            step_start = time.perf_counter()
+            step_start = time.perf_counter()  # a draft step pays for the context it writes
+            if w > 1 or pending.tokens >= CONTEXT_FLUSH_TOKENS:
+                pending.flush(self.draft, dcache)
             # draft: one forward over the block, its proposals for the w - 1 verified positions
             block = torch.full((last.shape[0], B), self.mask_token_id, dtype=torch.long, device=device)
             block[:, 0] = last
@@ -332,7 +362,7 @@ class DFlashLM:
             accept_lens, bonus = accept(block, target_tokens)
             n_keep = accept_lens + 1
             batch.keep_slots(n_keep, w)
-            self._append_context(dcache, self._context_features(out.hidden_states), positions, n_keep)
+            pending.add(self._context_features(out.hidden_states), positions, n_keep)
             steps += 1
             if widths is not None:
                 widths.observe(last.shape[0], w, accept_lens.tolist(), time.perf_counter() - step_start)

@@ -308,19 +308,21 @@ class DraftKVCache:
         return cls(c.num_hidden_layers, batch_size, max_len, c.num_key_value_heads, c.head_dim,
                    device=model.device, dtype=model.dtype)
 
-    def append(self, layer_kvs: Sequence[KV], n_new: torch.Tensor) -> None:
-        """Append the first ``n_new[i]`` tokens of row i; layer_kvs per layer ``[b, N, Hkv, D]``, n_new ``[b]``."""
+    def append(self, layer_kvs: Sequence[KV], keep: torch.Tensor) -> None:
+        """Append row i's tokens of layer_kvs (per layer ``[b, N, Hkv, D]``) that ``keep`` names, in order: ``[b]``
+        counts (the first ``keep[i]``) or a ``[b, N]`` bool mask."""
         b, n = layer_kvs[0][0].shape[:2]
-        n_new = n_new.to(device=self.lens.device, dtype=torch.long)
+        keep = keep.to(self.lens.device)
+        j = torch.arange(n, device=self.lens.device)
+        valid = keep if keep.dtype == torch.bool else j[None, :] < keep[:, None]  # [b, N]
+        n_new = valid.sum(1)
         if int((self.lens + n_new).max()) > self.max_len:
             raise ValueError(
                 f"DraftKVCache overflow: need {int((self.lens + n_new).max())} slots, have {self.max_len}; "
                 "allocate the cache with max_len >= prompt length + max_new_tokens + block_size."
             )
-        j = torch.arange(n, device=self.lens.device)
-        valid = j[None, :] < n_new[:, None]  # [b, N]
         rows = torch.arange(b, device=self.lens.device)[:, None].expand(b, n)[valid]
-        slots = (self.lens[:, None] + j[None, :])[valid]
+        slots = (self.lens[:, None] + valid.cumsum(1) - 1)[valid]
         for layer, (k, v) in enumerate(layer_kvs):
             self.k[layer][rows, slots] = k[valid].to(self.k[layer].dtype)
             self.v[layer][rows, slots] = v[valid].to(self.v[layer].dtype)

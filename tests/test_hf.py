@@ -9,8 +9,9 @@ import torch
 
 from conftest import (TAU_NEW_TOKENS, TAU_PROMPTS_PER_SET, TINY_MASK_ID, TINY_VOCAB, make_draft_config,
                       make_tiny_target)
+from sglang_dflash import hf
 from sglang_dflash.hf import DFlashLM, target_generate_baseline
-from sglang_dflash.model import DFlashDraftModel, save_draft
+from sglang_dflash.model import DFlashDraftModel, DraftKVCache, save_draft
 from sglang_dflash.verify import target_probs
 
 
@@ -145,17 +146,28 @@ class RecordingDraft(DFlashDraftModel):
         return super().forward(block_embeds, block_positions, ctx_kv, attn_mask, ctx_positions)
 
 
-def test_draft_sees_context_of_exactly_the_committed_tokens(target):
+@pytest.mark.parametrize("cycle, flush_at", [(None, 64), ([1, 1, 4, 1, 3, 1, 1, 1, 2], 64), ([1] * 7 + [4], 3)])
+def test_draft_sees_context_of_exactly_the_committed_tokens(target, cycle, flush_at, monkeypatch):
     """Every draft step: the cached context K/V of each row == recomputed from scratch over its committed tokens
-    (target hidden states after target_layer_ids, positions 0..n-1); block = [last token, MASK...] at n.."""
+    (target hidden states after target_layer_ids, positions 0..n-1); block = [last token, MASK...] at n.. -- also
+    when plain decode steps (width 1) left their tokens pending, and when the pending tokens were written early
+    (``CONTEXT_FLUSH_TOKENS`` lowered below a run of plain steps)."""
+    monkeypatch.setattr(hf, "CONTEXT_FLUSH_TOKENS", flush_at)
     torch.manual_seed(0)
     draft = RecordingDraft(make_draft_config(target.config, block_size=4)).eval()
     prompts = _prompts()
-    out = DFlashLM(target, draft).generate(prompts, max_new_tokens=12, stop_token_ids=[])
-    assert len(draft.calls) == out.num_verify_steps
+    widths = cycle and CyclingWidths(cycle)
+    appends = []
+    append = DraftKVCache.append
+    monkeypatch.setattr(DraftKVCache, "append", lambda self, kvs, keep: appends.append(1) or append(self, kvs, keep))
+    out = DFlashLM(target, draft).generate(prompts, max_new_tokens=12, stop_token_ids=[], widths=widths)
+    drafted = [s for s, (_, w, _) in enumerate(widths.observed) if w > 1] if widths else range(out.num_verify_steps)
+    assert len(draft.calls) == len(drafted) and (widths is None or len(drafted) < out.num_verify_steps)
+    # one context write per draft step; with flush_at 3, also at plain steps 0 (the prompt), 3, 6 and 10
+    assert len(appends) == len(drafted) + (4 if flush_at == 3 else 0)
     embed = target.get_input_embeddings()
     with torch.no_grad():
-        for step, (embeds, positions, kvs, mask) in enumerate(draft.calls):
+        for step, (embeds, positions, kvs, mask) in zip(drafted, draft.calls):
             active = [i for i in range(len(prompts)) if len(out.accept_lens[i]) > step]
             assert embeds.shape[0] == len(active)
             for r, i in enumerate(active):
