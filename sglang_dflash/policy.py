@@ -17,8 +17,10 @@ charged the narrower one's time: when the step is bound by the host, the times o
 noise, and noise must not buy a width that commits nothing more). A width's time is the smaller of its first two
 measurements (a width next to the best, measured once, is measured again before it is written off: a host stall
 lengthens a step, never shortens it), then a moving average in which a stall counts as twice the estimate at most.
-A new bucket starts from the nearest measured bucket's times, each replaced by the first measurement there; a
-width measured in neither is tried once (also when its time comes back steps later, as under the
+A new bucket starts from the nearest measured bucket's times, each replaced by the first measurement there, except
+the narrowest width's (plain decode), which every bucket measures itself: the baseline a wider width must beat (a
+larger bucket's, borrowed, made a smaller bucket's wide steps look cheap next to it); a width measured in neither
+is tried once (also when its time comes back steps later, as under the
 overlap schedule); every ``explore_every`` steps of a bucket the width measured longest ago is tried again, so a
 change in either the acceptance or the cost is seen. Above ``max_batch_size`` requests every step is a plain decode
 step. Plain Python (no tensors): the caller hands in accept lengths and seconds it already has on the host.
@@ -175,13 +177,13 @@ class WidthPolicy:
         return best
 
     def _borrow_costs(self, b: int) -> None:
-        """A new bucket starts from the nearest measured bucket's step times (marked measured longest ago, so the
-        periodic exploration replaces them first) instead of trying every width again."""
+        """A new bucket starts from the nearest measured bucket's step times but the narrowest width's (marked
+        measured longest ago, so the periodic exploration replaces them first) instead of trying every width again."""
         known = {k for k, _ in self.costs}
         if not known:
             return
         near = min(known, key=lambda k: abs(k.bit_length() - b.bit_length()))
-        for w in self.widths:
+        for w in self.widths[1:]:  # the narrowest (plain decode when 1) is measured here: the baseline to beat
             if (near, w) in self.costs:
                 self.costs[(b, w)] = _Cost(self.costs[(near, w)].seconds, -1, samples=0)
 
