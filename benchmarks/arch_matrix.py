@@ -35,6 +35,7 @@ import argparse
 import concurrent.futures as cf
 import json
 import math
+import re
 import sys
 import time
 from collections import Counter
@@ -148,7 +149,8 @@ def histogram(replies: list[dict]) -> dict:
 
 def step_graphed(server: Server) -> bool:
     """Whether an sglang-dflash server captured its decode step as CUDA graphs (its start-up log line)."""
-    return "decode step captured as one CUDA graph" in server.log.read_text(errors="replace")
+    log = server.log.read_text(errors="replace")
+    return re.search("decode step captured as (one CUDA graph|CUDA graphs)", log) is not None
 
 
 def first_error(server: Server) -> str:

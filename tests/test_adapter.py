@@ -871,7 +871,7 @@ def test_captured_step_keeps_its_attention_plan_alive():
 
     wrappers = [Wrapper(), Wrapper()]
     alive = [weakref.ref(w) for w in wrappers]
-    captured = _Captured(graph=None, batch=None, plan=GraphPlan([(wr, 16, None) for wr in wrappers], []),
+    captured = _Captured(graphs=(), batch=None, plan=GraphPlan([(wr, 16, None) for wr in wrappers], []),
                          outputs=None, packed=None)
     del wrappers
     gc.collect()
@@ -1199,7 +1199,7 @@ def test_step_graphs_planned_cover_every_width_the_policy_can_choose_and_no_more
     that step eagerly, with a host sync); above the batch-size ceiling only width 1 is captured (plain decode)."""
     from sglang_dflash.adapter.sampling import FILTERED, GREEDY, SAMPLED
     from sglang_dflash.adapter.step import padded_rows
-    from sglang_dflash.adapter.step_graphs import planned_graphs
+    from sglang_dflash.adapter.step_graphs import graph_count, planned_graphs
     from sglang_dflash.policy import WidthPolicy
 
     sizes = [*range(1, 9), *range(10, 33, 2), *range(40, 65, 4)]  # SGLang's speculative ladder up to 64: 27 sizes
@@ -1208,6 +1208,9 @@ def test_step_graphs_planned_cover_every_width_the_policy_can_choose_and_no_more
     assert len(plan) == len(set(plan)) == 27 * 5 * 3
     assert plan[:3] == [(64, 16, FILTERED), (64, 16, SAMPLED), (64, 16, GREEDY)]  # largest first, kinds together
     assert plan[-1] == (1, 1, GREEDY)
+    pairs = [(bs, w) for bs, w, _ in plan]  # a (size, width)'s kinds are adjacent: they share one verify graph
+    assert all(pairs.index(p) + pairs.count(p) - 1 == len(pairs) - 1 - pairs[::-1].index(p) for p in set(pairs))
+    assert graph_count(plan) == 27 * 5 * (2 * 3 + 1)
     for ceiling, top in ((21, 22), (20, 20), (64, 64), (100, 64), (0, 0)):
         plan = planned_graphs(sizes, widths, 49152, ceiling)
         policy = WidthPolicy(16, tuple(widths), ceiling)

@@ -3,8 +3,10 @@
     build block -> plan attention -> draft forward -> propose -> target verify -> commit draft KV -> accept
 
 `decode_step` runs these phases over the tensors of a `StepBatch` and returns one `StepResult`. The same
-function runs eagerly (`DFlashWorker`: CPU, Triton, batches larger than every capture) and is what
-`step_graphs.StepGraphs` captures, once per batch size, over static `StepBatch` tensors. What differs is who
+functions run eagerly (`DFlashWorker`: CPU, Triton, batches larger than every capture) and are what
+`step_graphs.StepGraphs` captures per batch size and width over static `StepBatch` tensors, as three graphs:
+`draft_phase` (block, plan, draft forward, proposal), `verify_phase` (target forward, draft context K/V; one graph
+shared by the greedy and sampled steps) and `accept_phase`. What differs is who
 plans the attention, a strategy chosen once per call site:
 
 * `HostPlan`: each backend's ``init_forward_metadata`` from the committed lengths on the host (any backend; on
@@ -190,9 +192,11 @@ def propose(m: StepModels, hidden: torch.Tensor, input_ids: torch.Tensor, bs: in
     return torch.cat([input_ids.view(bs, B)[:, :1], drafts], dim=1), law
 
 
-def decode_step(m: StepModels, b: StepBatch, plan: Callable[[StepModels, StepBatch], None]) -> StepResult:
-    """One DFLASH decode step of ``b`` at its verify width with attention planned by ``plan`` (`HostPlan` or a
-    device plan)."""
+def draft_phase(m: StepModels, b: StepBatch, plan: Callable[[StepModels, StepBatch], None]
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Build the block, plan both forwards' attention (``plan``: `HostPlan` or a device plan), run the draft and
+    write the verify rows into ``b.verify_ids`` -> (draft_tokens ``[bs, w]``, their law ``[bs, w-1, V_local]`` or
+    None: `propose`). Width 1: the bonus token alone, no draft forward."""
     bs, B, w = b.bs, m.block_size, b.width
     if b.draft_fb is not None:
         ids, pos, slots = build_block(b.bonus, b.seq_lens, B, m.mask_token_id, m.req_to_token, b.req_pool_indices,
@@ -208,24 +212,42 @@ def decode_step(m: StepModels, b: StepBatch, plan: Callable[[StepModels, StepBat
         if b.valid is not None:
             b.verify_loc.masked_fill_(~b.valid, PADDING_SLOT)
     plan(m, b)
+    if b.draft_fb is None:
+        return b.verify_ids.view(bs, 1), None
     set_is_extend_in_batch(False)
-    if b.draft_fb is not None:
-        set_dp_buffer_len(None, bs * B, False, None)
-        with forward_context(ForwardContext(attn_backend=m.draft_backend)):
-            hidden = m.draft_model(ids, pos, b.draft_fb, input_embeds=m.embed(ids)).hidden_states
-        draft_tokens, law = propose(m, hidden, ids, bs, w, b.sampling)
-        b.verify_ids.copy_(draft_tokens.view(-1))
-    else:
-        draft_tokens, law = b.verify_ids.view(bs, 1), None
-    set_dp_buffer_len(None, bs * w, False, None)
+    set_dp_buffer_len(None, bs * B, False, None)
+    with forward_context(ForwardContext(attn_backend=m.draft_backend)):
+        hidden = m.draft_model(ids, pos, b.draft_fb, input_embeds=m.embed(ids)).hidden_states
+    draft_tokens, law = propose(m, hidden, ids, bs, w, b.sampling)
+    b.verify_ids.copy_(draft_tokens.view(-1))
+    return draft_tokens, law
+
+
+def verify_phase(m: StepModels, b: StepBatch) -> torch.Tensor:
+    """The target's forward over ``b.verify_ids`` (attention planned by `draft_phase`), the draft's context K/V of
+    those rows written -> verify logits ``[bs * w, V]``."""
+    set_is_extend_in_batch(False)
+    set_dp_buffer_len(None, b.bs * b.width, False, None)
     with forward_context(ForwardContext(attn_backend=m.target_backend)):
         out = m.target_model(b.verify_ids, b.verify_positions, b.target_fb)
     m.commit_kv(out.hidden_states, b.verify_positions, b.verify_loc)
-    logits = out.next_token_logits
+    return out.next_token_logits
+
+
+def accept_phase(m: StepModels, b: StepBatch, draft_tokens: torch.Tensor, logits: torch.Tensor,
+                 law: torch.Tensor | None) -> tuple:
+    """-> (accept_lens, bonus_tokens, committed, new_seq_lens) (`StepResult`): greedy (``b.sampling`` None) or
+    speculative sampling against the drafts' ``law``."""
     if b.sampling is None:
-        accept = greedy_accept(draft_tokens, logits, b.seq_lens, out=b.accept_out)
-    else:
-        target_tokens = sample_predictions(draft_tokens, b.sampling.probs(logits.view(bs, w, -1)), draft_probs=law,
-                                           vocab=m.vocab)
-        accept = accept_tokens(draft_tokens, target_tokens, b.seq_lens, out=b.accept_out)
-    return StepResult(draft_tokens, logits, *accept)
+        return greedy_accept(draft_tokens, logits, b.seq_lens, out=b.accept_out)
+    target_tokens = sample_predictions(draft_tokens, b.sampling.probs(logits.view(b.bs, b.width, -1)),
+                                       draft_probs=law, vocab=m.vocab)
+    return accept_tokens(draft_tokens, target_tokens, b.seq_lens, out=b.accept_out)
+
+
+def decode_step(m: StepModels, b: StepBatch, plan: Callable[[StepModels, StepBatch], None]) -> StepResult:
+    """One DFLASH decode step of ``b`` at its verify width with attention planned by ``plan`` (`HostPlan` or a
+    device plan): `draft_phase`, `verify_phase`, `accept_phase` (what `step_graphs` captures as three graphs)."""
+    draft_tokens, law = draft_phase(m, b, plan)
+    logits = verify_phase(m, b)
+    return StepResult(draft_tokens, logits, *accept_phase(m, b, draft_tokens, logits, law))

@@ -1,13 +1,14 @@
-"""The decode step (`step.decode_step`) captured as one CUDA graph per (batch size, verify width), on FlashInfer.
+"""The decode step (`step.decode_step`) captured as CUDA graphs per (batch size, verify width), on FlashInfer.
 
 Replayed through SGLang's runners, a step is three graph replays (draft, verify, commit_kv) plus
 ~20 eager launches, and each replay first rebuilds a ForwardBatch, copies it into the runner's static
 buffers and plans attention: the host, not the GPU, sets the step time on small targets. Here the
-whole `decode_step` is captured, per batch size and verify width, over a static `step.StepBatch`, with `GraphPlan` as its
-attention planner: inside the graph it writes both forwards' FlashInfer paged layout (qo/kv indptr, kv
+whole `decode_step` is captured, per batch size and verify width, over a static `step.StepBatch`, as three graphs
+replayed back to back (`step.draft_phase`, `step.verify_phase`, `step.accept_phase`), with `GraphPlan` as its
+attention planner: inside the first it writes both forwards' FlashInfer paged layout (qo/kv indptr, kv
 indices) and their split-kv plans (`DevicePlan`: FlashInfer's host planning rule, run on the device by
 `kernels.attention_plan`) from the committed lengths on the device. A replay copies three per-request
-inputs (bonus tokens, committed lengths, request-pool rows) and launches the graph: no host plan and no
+inputs (bonus tokens, committed lengths, request-pool rows) and launches the graphs: no host plan and no
 host copy of the lengths, so under SGLang's overlap schedule step N+1 is enqueued while step N still runs
 (the scheduler's host mirror of the committed lengths is switched off, `DFlashWorker.spec_v2_attn_backends`).
 Needs FlashInfer's fa2 prefill backend with one wrapper per model.
@@ -26,7 +27,8 @@ Accept kinds (`sampling.step_accept_kind`): each (size, width) is captured greed
 vocabulary-sized float32 temporaries fit `SAMPLED_ROWS_BYTES` per tensor, also
 sampled without and with the top-k / top-p / min-p sort: the drafts are drawn and accepted inside the graph, with
 the requests' parameters as four more static inputs and CUDA's graph-safe random numbers. The kinds of one
-(size, width) share its wrappers.
+(size, width) share its wrappers and its verify graph (the target's forward: the bulk of a capture's time), each with
+its own draft and accept graphs; the drafts' law passes between them in one buffer (`StepGraphs.law`).
 
 Each captured graph's wrappers are its own (created through the backends' capture path and then taken out of
 ``prefill_cuda_graph_metadata``, which belongs to SGLang's per-runner graphs). This module sees the step's
@@ -35,6 +37,8 @@ Each captured graph's wrappers are its own (created through the backends' captur
 
 from __future__ import annotations
 
+import copy
+import itertools
 import logging
 import time
 from typing import NamedTuple, Sequence
@@ -48,7 +52,8 @@ from sglang_dflash.adapter import compat
 from sglang_dflash.adapter.hybrid import GraphStates, full_attention_backend
 from sglang_dflash.adapter.sampling import FILTERED, GREEDY, SAMPLED, StepSampling
 from sglang_dflash.adapter.spec_inputs import write_block_kv_layout
-from sglang_dflash.adapter.step import StepBatch, StepModels, StepResult, decode_step, padded_rows
+from sglang_dflash.adapter.step import (StepBatch, StepModels, StepResult, accept_phase, draft_phase, padded_rows,
+                                        verify_phase)
 from sglang_dflash.kernels.attention_plan import split_kv_plan
 
 logger = logging.getLogger(__name__)
@@ -79,6 +84,13 @@ def planned_graphs(sizes: Sequence[int], widths: Sequence[int], vocab_size: int,
             for kind in accept_kinds(bs, w, vocab_size)]
 
 
+def graph_count(planned) -> int:
+    """CUDA graphs of the (batch size, width, accept kind) steps ``planned``: a draft and an accept graph per step, a
+    verify graph per (batch size, width)."""
+    planned = list(planned)
+    return 2 * len(planned) + len({(bs, w) for bs, w, _ in planned})
+
+
 def capture(m: StepModels, runners: Sequence, backend: str, hybrid: bool, widths: Sequence[int],
             device, max_batch_size: int | None = None) -> StepGraphs | None:
     """`decode_step` captured for the batch sizes both ``runners`` (target, draft) captured x ``widths`` (x the sampled
@@ -102,16 +114,17 @@ def capture(m: StepModels, runners: Sequence, backend: str, hybrid: bool, widths
         return None
     sizes = sorted(set.intersection(*(set(r.decode_cuda_graph_runner.capture_bs) for r in runners)))
     vocab_size = runners[0].model_config.vocab_size
+    planned = planned_graphs(sizes, widths, vocab_size, max_batch_size)
     logger.info("sglang-dflash: capturing the decode step: batch sizes %s x verify widths %s%s, %d graphs",
                 sizes, widths, "" if max_batch_size is None else f" (width 1 above {max_batch_size} requests)",
-                len(planned_graphs(sizes, widths, vocab_size, max_batch_size)))
+                graph_count(planned))
     t0, free0 = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
     graphs = StepGraphs(m, sizes, widths, vocab_size, device, hybrid, max_batch_size)
     pairs = sorted({(bs, w) for bs, w, kind in graphs.captured if kind == SAMPLED})
-    logger.info("sglang-dflash: decode step captured as one CUDA graph for batch sizes %s x verify widths %s; "
+    logger.info("sglang-dflash: decode step captured as CUDA graphs for batch sizes %s x verify widths %s; "
                 "sampled steps for %d (batch size, width) pairs up to %d rows; %d graphs in %.1f s (the first, "
                 "with its kernels' first compilation: %.1f s; eager warm-ups %.1f s, recording %.1f s), %.2f GB",
-                sizes, widths, len(pairs), max((bs * w for bs, w in pairs), default=0), len(graphs.captured),
+                sizes, widths, len(pairs), max((bs * w for bs, w in pairs), default=0), graph_count(graphs.captured),
                 time.perf_counter() - t0, graphs.first_s, graphs.warmup_s, graphs.record_s,
                 (free0 - torch.cuda.mem_get_info(device)[0]) / 1e9)
     return graphs
@@ -186,12 +199,15 @@ class _Wrappers(NamedTuple):
 
 
 class _Captured:
-    """One (batch size, width, accept kind): its graph, the static `StepBatch` it reads and writes, its `GraphPlan`
-    (whose wrappers own buffers the graph reads: kept alive with it), its outputs, and ``packed``, the one int64
-    buffer the accept writes (`unpack`; a replay copies it out in one launch)."""
+    """One (batch size, width, accept kind): its three graphs, replayed in order -- the draft phase (block, attention
+    plan, draft forward and proposal; the kind's own), the verify phase (the target's forward and the draft's context
+    K/V; one graph shared by the kinds of the size and width), the accept (the kind's own) --, the static `StepBatch`
+    they read and write, its `GraphPlan` (whose wrappers own buffers the graphs read: kept alive with them), the
+    outputs, and ``packed``, the one int64 buffer the accept writes (`unpack`; a replay copies it out in one
+    launch)."""
 
-    def __init__(self, graph, batch: StepBatch, plan: GraphPlan, outputs: StepResult, packed: torch.Tensor):
-        self.graph, self.batch, self.plan, self.outputs, self.packed = graph, batch, plan, outputs, packed
+    def __init__(self, graphs: tuple, batch: StepBatch, plan: GraphPlan, outputs: StepResult, packed: torch.Tensor):
+        self.graphs, self.batch, self.plan, self.outputs, self.packed = graphs, batch, plan, outputs, packed
 
 
 class StepGraphs:
@@ -215,6 +231,11 @@ class StepGraphs:
         # one float logits buffer for every graph (SGLang's logits processor copies into it): per-graph logits
         # outputs would each stay alive with their graph
         self.logits = torch.zeros((max_bs * self.B, vocab_size), dtype=torch.float, device=dev)
+        planned = planned_graphs(self.sizes, self.widths, vocab_size, max_batch_size)
+        # and one buffer for the drafts' law [bs, w-1, V] of the sampled kinds (the draft phase's output, which the
+        # accept reads): held per graph, each would keep a vocabulary-sized tensor alive
+        law_rows = max((bs * (w - 1) for bs, w, kind in planned if kind != GREEDY), default=0)
+        self.law = torch.zeros(law_rows * vocab_size, dtype=torch.float, device=dev)
         self.qo_indptr = {rows: torch.arange(0, (max_bs + 1) * rows, rows, dtype=torch.int32, device=dev)
                           for rows in {*self.widths, self.B}}
         self.plan_scratch = torch.zeros(3 * triton_next_power_of_2(max_bs), dtype=torch.int32, device=dev)
@@ -225,38 +246,31 @@ class StepGraphs:
         # SGLang's capture context: under tensor parallelism the draft's and the target's all-reduces / gathers
         # go to the communicators that can be captured (PyNccl, custom all-reduce), as in SGLang's own graphs
         with graph_capture() as context:
-            # this size's draft wrappers (shared by its widths), this (size, width)'s target wrappers (by its kinds)
-            draft = target = last = None
-            for bs, w, kind in planned_graphs(self.sizes, self.widths, vocab_size, max_batch_size):
-                if last is None or bs != last[0]:
-                    draft = None
-                if (bs, w) != last:
-                    target = None
-                c, draft, target = self._capture(bs, w, kind, draft, target, context.stream, pool, dev)
-                self.captured[(bs, w, kind)] = c
-                pool, last = c.graph.pool(), (bs, w)
+            draft = draft_bs = None  # this size's draft wrappers (shared by its widths)
+            for (bs, w), group in itertools.groupby(planned, key=lambda g: g[:2]):
+                if bs != draft_bs:
+                    draft, draft_bs = None, bs
+                kinds = [kind for _, _, kind in group]
+                captured, draft, pool = self._capture(bs, w, kinds, draft, context.stream, pool, dev)
+                self.captured.update({(bs, w, kind): c for kind, c in captured.items()})
                 self.first_s = self.first_s or time.perf_counter() - t0
 
     # ---- capture -------------------------------------------------------------------------
-    def _capture(self, bs: int, w: int, kind: str, draft, target, stream: torch.cuda.Stream, pool, dev):
-        """-> (the graph of ``bs`` requests at width ``w`` accepting by ``kind``, this size's draft wrappers for its
-        next widths, this (size, width)'s target wrappers for its next kinds)."""
+    def _capture(self, bs: int, w: int, kinds: Sequence[str], draft, stream: torch.cuda.Stream, pool, dev):
+        """-> ({kind: its `_Captured`} of ``bs`` requests at width ``w``, this size's draft wrappers for its next
+        widths, the memory pool). The target's forward is captured once for all ``kinds``, each kind's draft and
+        accept phases around it."""
         m, B = self.m, self.B
-        packed = torch.zeros(bs * (w + 3), dtype=torch.int64, device=dev)
-        sampling = None if kind == GREEDY else self.sampling.head(bs, kind == FILTERED)
-        b = StepBatch(m, self.bonus[:bs], self.seq_lens[:bs], self.req_pool_indices[:bs], valid=self.valid[:bs],
-                      accept_out=unpack(packed, bs, w), logits_buffer=self.logits[: bs * w], width=w,
-                      sampling=sampling)
+        base = StepBatch(m, self.bonus[:bs], self.seq_lens[:bs], self.req_pool_indices[:bs], valid=self.valid[:bs],
+                         logits_buffer=self.logits[: bs * w], width=w)
         self.valid[:bs].fill_(False)  # capture and warm-up write only to the padding slot
         forwards = []  # (backend, its own wrappers) of each forward in the step
-        if b.draft_fb is not None:
+        if base.draft_fb is not None:
             if draft is None:
-                draft = self._own_wrappers(m.draft_backend, b.draft_fb, bs, B)
+                draft = self._own_wrappers(m.draft_backend, base.draft_fb, bs, B)
             forwards.append((m.draft_backend, draft))
         backend = full_attention_backend(m.target_backend)
-        if target is None:
-            target = self._own_wrappers(backend, b.target_fb, bs, w)
-        forwards.append((backend, target))
+        forwards.append((backend, self._own_wrappers(backend, base.target_fb, bs, w)))
         layouts, plans = [], []
         for be, own in forwards:
             be.forward_metadata = own.forward_metadata  # what the forward reads while being captured
@@ -266,22 +280,49 @@ class StepGraphs:
         if states is not None:
             states.install()  # what the target's linear-attention layers read while being captured
         plan = GraphPlan(layouts, plans, states)
+        batches = {}  # kind -> (the kind's view of the static batch: its sampling and accept buffer, its packed)
+        for kind in kinds:
+            b = copy.copy(base)
+            packed = torch.zeros(bs * (w + 3), dtype=torch.int64, device=dev)
+            b.sampling = None if kind == GREEDY else self.sampling.head(bs, kind == FILTERED)
+            b.accept_out = unpack(packed, bs, w)
+            batches[kind] = b, packed
 
         torch.cuda.synchronize(dev)
-        graph = torch.cuda.CUDAGraph()
         t0 = time.perf_counter()
         with torch.no_grad():
             with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up outside capture (JIT, autotuning, workspaces)
-                    decode_step(m, b, plan)
+                logits = None
+                for _ in range(2):  # warm-up outside capture (JIT, autotuning, workspaces): the first kind's whole
+                    for kind in kinds:  # step, the other kinds' own phases
+                        b = batches[kind][0]
+                        drafts, law = draft_phase(m, b, plan)
+                        logits = verify_phase(m, b) if kind == kinds[0] else logits
+                        accept_phase(m, b, drafts, logits, law)
             torch.cuda.synchronize(dev)
             torch.cuda.empty_cache()  # the warm-up's blocks, which the capture's private pool cannot use
             t1 = time.perf_counter()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                outputs = decode_step(m, b, plan)
+            proposals = {}
+            for kind in kinds:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    drafts, law = draft_phase(m, batches[kind][0], plan)
+                    if law is not None:
+                        law = self.law[: law.numel()].view(law.shape).copy_(law)
+                proposals[kind], pool = (graph, drafts, law), graph.pool()
+            verify = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(verify, pool=pool, stream=stream):
+                logits = verify_phase(m, base)
+            captured = {}
+            for kind in kinds:
+                (b, packed), (graph, drafts, law) = batches[kind], proposals[kind]
+                accept = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(accept, pool=pool, stream=stream):
+                    outputs = StepResult(drafts, logits, *accept_phase(m, b, drafts, logits, law))
+                captured[kind] = _Captured((graph, verify, accept), b, plan, outputs, packed)
         torch.cuda.synchronize(dev)
         self.warmup_s, self.record_s = self.warmup_s + t1 - t0, self.record_s + time.perf_counter() - t1
-        return _Captured(graph, b, plan, outputs, packed), draft, target
+        return captured, draft, pool
 
     def _own_wrappers(self, backend, fb, bs: int, rows: int) -> _Wrappers:
         """This size's own capture-mode wrappers of one forward (``rows`` query rows per request) and their
@@ -321,7 +362,8 @@ class StepGraphs:
             self.seq_lens[n:m].fill_(SEQ_LEN_FILL)
             self.req_pool_indices[n:m].zero_()
             self.valid[n:m].fill_(False)
-        c.graph.replay()
+        for graph in c.graphs:
+            graph.replay()
         o = c.outputs
         accept_lens, bonus, committed, new_seq_lens = unpack(c.packed.clone(), m, width)  # one copy
         return StepResult(o.draft_tokens[:n], o.logits[: n * width], accept_lens[:n], bonus[:n], committed[:n],
