@@ -146,12 +146,14 @@ class RecordingDraft(DFlashDraftModel):
         return super().forward(block_embeds, block_positions, ctx_kv, attn_mask, ctx_positions)
 
 
-@pytest.mark.parametrize("cycle, flush_at", [(None, 64), ([1, 1, 4, 1, 3, 1, 1, 1, 2], 64), ([1] * 7 + [4], 3)])
-def test_draft_sees_context_of_exactly_the_committed_tokens(target, cycle, flush_at, monkeypatch):
+@pytest.mark.parametrize("cycle, flush_at, stop", [(None, 64, False), ([1, 1, 4, 1, 3, 1, 1, 1, 2], 64, False),
+                                                   ([1] * 7 + [4], 3, False), ([1, 1, 4, 1, 3, 2], 64, True)])
+def test_draft_sees_context_of_exactly_the_committed_tokens(target, stopped, cycle, flush_at, stop, monkeypatch):
     """Every draft step: the cached context K/V of each row == recomputed from scratch over its committed tokens
     (target hidden states after target_layer_ids, positions 0..n-1); block = [last token, MASK...] at n.. -- also
-    when plain decode steps (width 1) left their tokens pending, and when the pending tokens were written early
-    (``CONTEXT_FLUSH_TOKENS`` lowered below a run of plain steps)."""
+    when plain decode steps (width 1) left their tokens pending, when the pending tokens were written early
+    (``CONTEXT_FLUSH_TOKENS`` lowered below a run of plain steps), and when rows stopped and left the batch with
+    tokens pending."""
     monkeypatch.setattr(hf, "CONTEXT_FLUSH_TOKENS", flush_at)
     torch.manual_seed(0)
     draft = RecordingDraft(make_draft_config(target.config, block_size=4)).eval()
@@ -160,7 +162,11 @@ def test_draft_sees_context_of_exactly_the_committed_tokens(target, cycle, flush
     appends = []
     append = DraftKVCache.append
     monkeypatch.setattr(DraftKVCache, "append", lambda self, kvs, keep: appends.append(1) or append(self, kvs, keep))
-    out = DFlashLM(target, draft).generate(prompts, max_new_tokens=12, stop_token_ids=[], widths=widths)
+    stops, expected = stopped if stop else ([], None)
+    out = DFlashLM(target, draft).generate(prompts, max_new_tokens=24 if stop else 12, stop_token_ids=stops,
+                                           widths=widths)
+    if stop:
+        assert out.sequences == expected and len({len(s) for s in expected}) > 1
     drafted = [s for s, (_, w, _) in enumerate(widths.observed) if w > 1] if widths else range(out.num_verify_steps)
     assert len(draft.calls) == len(drafted) and (widths is None or len(drafted) < out.num_verify_steps)
     # one context write per draft step; with flush_at 3, also at plain steps 0 (the prompt), 3, 6 and 10
