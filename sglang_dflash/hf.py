@@ -237,14 +237,16 @@ class _PendingContext:
 
     def __init__(self):
         self.chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self.tokens = 0  # chunk columns held
+
+    @property
+    def tokens(self) -> int:
+        """Chunk columns held (per row, rejected slots included)."""
+        return sum(keep.shape[1] for _, _, keep in self.chunks)
 
     def add(self, feats: torch.Tensor, positions: torch.Tensor, n_keep: torch.Tensor) -> None:
         """The first ``n_keep[i]`` of row i's n tokens are committed."""
-        n = feats.shape[1]
-        keep = torch.arange(n, device=feats.device)[None, :] < n_keep[:, None]
+        keep = torch.arange(feats.shape[1], device=feats.device)[None, :] < n_keep[:, None]
         self.chunks.append((feats, positions, keep))
-        self.tokens += n
 
     def select(self, rows: torch.Tensor) -> None:
         self.chunks = [(f[rows], p[rows], k[rows]) for f, p, k in self.chunks]
@@ -255,7 +257,7 @@ class _PendingContext:
             return
         feats, positions, keep = (torch.cat(x, dim=1) for x in zip(*self.chunks))
         cache.append(draft.context_kv(draft.project_context(feats), positions), keep)
-        self.chunks, self.tokens = [], 0
+        self.chunks = []
 
 
 # ---------------------------------------------------------------- engine
