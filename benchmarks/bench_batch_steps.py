@@ -92,7 +92,7 @@ def startup_report(log: str, seconds: float) -> dict:
     start took (or had taken when it was given up)."""
     sglang = [[m[1], float(m[2])] for m in re.finditer(r"Capture ([\w ]+?) CUDA graph end\. elapsed=([\d.]+) s", log)]
     planned = re.search(r"sglang-dflash: capturing the decode step: .*?, (\d+) graphs", log)
-    done = re.search(r"decode step captured as (?:one CUDA graph|CUDA graphs) .*?; (\d+) graphs in ([\d.]+) s "
+    done = re.search(r"decode step captured as CUDA graphs .*?; (\d+) graphs in ([\d.]+) s "
                      r"\(the first, with its kernels' first compilation: ([\d.]+) s; eager warm-ups ([\d.]+) s, "
                      r"recording ([\d.]+) s\), (-?[\d.]+) GB", log)
     return {"seconds": seconds, "sglang_captures": sglang, "step_graphs_planned": planned and int(planned[1]),
