@@ -12,7 +12,8 @@
 #  2. responses: regenerated greedily by SmolLM2 itself (MAX_NEW new tokens, prompts <= 384 tokens). With
 #     NPROC > 1 the ranks generate disjoint shards. RESPONSE_SERVER=http://HOST:PORT sends them to a running SGLang
 #     server of the target instead (python -m sglang.launch_server --model-path <converted SmolLM2>; much faster).
-#     GEN_SECONDS=S caps this phase in one invocation (the next one continues the cache).
+#     GEN_SECONDS=S caps this phase in one invocation (the next one continues the cache). SAMPLES=K GEN_TEMP=T
+#     (T > 0) draw K responses per prompt; a greedy cache keeps its responses and gains K - 1 samples each.
 #  3. training: data-parallel over NPROC GPUs (torchrun), --resume from the newest OUT/work/drafter/checkpoint-*;
 #     RUN_SECONDS=S stops one invocation after S seconds of training (a checkpoint is written). BATCH is the
 #     global batch (sequences per optimizer step); GRAD_ACCUM splits each rank's share into micro-batches.
@@ -46,7 +47,8 @@ else
 fi
 COMMON=(--target smollm2 --prompts "$PROMPTS/train.jsonl" --out "$WORK/drafter" --cache "$CACHE"
   --log-json "$OUT/train_log.json" --seed 0 --max-prompt-tokens 384 --max-new-tokens "${MAX_NEW:-640}"
-  --gen-batch-size "${GEN_BATCH:-768}" --gen-temperature 0 --max-seq-len 1024
+  --gen-batch-size "${GEN_BATCH:-768}" --gen-temperature "${GEN_TEMP:-0}" --samples-per-prompt "${SAMPLES:-1}"
+  --max-seq-len 1024
   ${RESPONSE_SERVER:+--response-server "$RESPONSE_SERVER"})
 
 # 2. responses (resumable cache; nothing left to do once complete)

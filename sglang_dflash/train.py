@@ -115,6 +115,7 @@ class TrainArgs:
     max_new_tokens: int = 512
     gen_batch_size: int = 64
     gen_temperature: float = 0.0
+    samples_per_prompt: int = 1  # responses per prompt (more than one needs gen_temperature > 0)
     checkpoint_every: int = 1000  # steps between checkpoints (0: only when a run stops or ends)
     keep_checkpoints: int = 1  # newest checkpoints that keep their resumable state (older ones keep the drafter)
     log_every: int = 10
@@ -135,7 +136,8 @@ class TrainArgs:
 # Generation settings are free too: a resumed run trains on the checkpoint's records, it generates nothing.
 _RESUME_FREE = {"grad_accum", "checkpoint_every", "keep_checkpoints", "log_every", "init_from", "max_gen_seconds",
                 "max_train_seconds", "resume", "stop_at_step", "stop_after_seconds", "num_prompts",
-                "max_prompt_tokens", "max_new_tokens", "gen_batch_size", "gen_temperature", "extra"}
+                "max_prompt_tokens", "max_new_tokens", "gen_batch_size", "gen_temperature", "samples_per_prompt",
+                "extra"}
 
 
 # ------------------------------------------------------------------------------------------- distributed
@@ -167,6 +169,21 @@ def _rank_world() -> tuple[int, int]:
 
 def _prompt_key(text: str) -> str:
     return hashlib.sha1(text.encode("utf-8")).hexdigest()[:16]
+
+
+def check_samples(samples_per_prompt: int, temperature: float) -> None:
+    """More than one response per prompt needs sampling: TrainError naming the fix otherwise."""
+    if samples_per_prompt < 1 or (samples_per_prompt > 1 and temperature <= 0):
+        raise TrainError(f"--samples-per-prompt {samples_per_prompt} at --gen-temperature {temperature}: at "
+                         "temperature 0 every sample of a prompt is the same response; pass --gen-temperature > 0 "
+                         "(e.g. 0.8), or --samples-per-prompt 1")
+
+
+def _sample_keys(prompts: Sequence[str], samples_per_prompt: int) -> list[tuple[str, str, int]]:
+    """(cache key, prompt, sample index) per response, prompt-major: sample 0 is keyed by the prompt alone (so a
+    cache of one response per prompt serves it), sample s > 0 by ``key-s``."""
+    return [(key if s == 0 else f"{key}-{s}", text, s)
+            for key, text in zip(map(_prompt_key, prompts), prompts) for s in range(samples_per_prompt)]
 
 
 def _open_cache(path: Path, mode: str):
@@ -246,6 +263,7 @@ def generate_responses(
     max_new_tokens: int = 256,
     batch_size: int = 64,
     temperature: float = 0.0,
+    samples_per_prompt: int = 1,
     max_prompt_tokens: int = 512,
     seed: int = 0,
     max_seconds: Optional[float] = None,
@@ -257,6 +275,8 @@ def generate_responses(
     """Regenerate responses with the target itself; resumable JSONL cache ``{key, prompt_ids, response_ids}``.
 
     ``prompts`` are fully rendered (chat-formatted) texts. Prompts longer than ``max_prompt_tokens`` are skipped.
+    ``samples_per_prompt`` responses are drawn per prompt (more than one needs ``temperature > 0``; the records
+    already cached are kept whatever temperature made them, so a greedy cache can be extended with samples).
     Responses stop at the target's EOS (kept as the last token). Prompts are taken in order, in groups of
     ``4 * batch_size`` sorted by length (little padding). With ``max_seconds`` (or once ``stop`` is set),
     generation stops after the current batch (rerun to resume). The progress bar shows the generated tokens per
@@ -272,6 +292,7 @@ def generate_responses(
     A cache named ``*.gz`` is gzip-compressed (about a third of the size). A cache an interrupted run left with an
     incomplete last record is rewritten with the complete ones before new records are appended.
     """
+    check_samples(samples_per_prompt, temperature)
     cache_path = Path(cache_path)
     cache_path.parent.mkdir(parents=True, exist_ok=True)
     rank, world = shard
@@ -283,24 +304,26 @@ def generate_responses(
         done = _read_cache(cache_path)[0] if cache_path.is_file() else {}
         write_path = cache_part_path(cache_path, rank)
         done.update(_repair_cache(write_path))
-    keys = [_prompt_key(p) for p in prompts]
+    entries = _sample_keys(prompts, samples_per_prompt)
     missing, seen = [], set()
-    for key, text in zip(keys, prompts):
+    for key, text, sample in entries:
         if key not in done and key not in seen:
             seen.add(key)
-            missing.append((key, text))
-    todo = []
-    for key, text in missing[rank::world]:
-        ids = tokenizer(text, add_special_tokens=False).input_ids
+            missing.append((key, text, sample))
+    todo, token_ids = [], {}
+    for key, text, sample in missing[rank::world]:
+        if text not in token_ids:
+            token_ids[text] = tokenizer(text, add_special_tokens=False).input_ids
+        ids = token_ids[text]
         if 0 < len(ids) <= max_prompt_tokens:
-            todo.append((key, ids))
+            todo.append((key, ids, sample))
     group = 4 * batch_size
-    todo = [kv for g in range(0, len(todo), group) for kv in sorted(todo[g:g + group], key=lambda kv: len(kv[1]))]
+    todo = [t for g in range(0, len(todo), group) for t in sorted(todo[g:g + group], key=lambda t: len(t[1]))]
     eos = _eos_ids(target, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     if server_url:
         generate = functools.partial(_generate_http, server_url.rstrip("/"), eos=eos, max_new_tokens=max_new_tokens,
-                                     temperature=temperature, seed=seed)
+                                     temperature=temperature)
     else:
         generate = functools.partial(_generate_hf, target, pad_id=pad_id, eos=eos, max_new_tokens=max_new_tokens,
                                      temperature=temperature)
@@ -314,8 +337,8 @@ def generate_responses(
             if (max_seconds is not None and time.time() - t0 >= max_seconds) or (stop is not None and stop.is_set()):
                 break
             chunk = todo[start:start + batch_size]
-            responses = generate([ids for _, ids in chunk])
-            for (key, ids), resp in zip(chunk, responses):
+            responses = generate([ids for _, ids, _ in chunk], seeds=[seed + sample for _, _, sample in chunk])
+            for (key, ids, _), resp in zip(chunk, responses):
                 for j, tok in enumerate(resp):
                     if tok in eos:
                         resp = resp[: j + 1]
@@ -333,12 +356,13 @@ def generate_responses(
         secs = time.time() - t0
         print(f"{desc}: {n_done} responses, {n_tokens} tokens in {secs:.0f} s ({n_tokens / max(secs, 1e-9):.0f} "
               f"tok/s); {len(todo) - n_done} prompts left", file=sys.stderr, flush=True)
-    return [done[k] for k in keys if k in done]
+    return [done[k] for k, _, _ in entries if k in done]
 
 
 def _generate_hf(target, prompts: list[list[int]], *, pad_id: int, eos: list[int], max_new_tokens: int,
-                 temperature: float) -> list[list[int]]:
-    """One left-padded ``target.generate`` batch -> generated ids per prompt (may run past EOS: cut by caller)."""
+                 temperature: float, seeds: list[int]) -> list[list[int]]:
+    """One left-padded ``target.generate`` batch -> generated ids per prompt (may run past EOS: cut by caller).
+    Sampled draws come from the global generator (seeded once per rank), not from ``seeds``."""
     width = max(len(ids) for ids in prompts)
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     attn = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -356,14 +380,16 @@ def _generate_hf(target, prompts: list[list[int]], *, pad_id: int, eos: list[int
 
 
 def _generate_http(url: str, prompts: list[list[int]], *, eos: list[int], max_new_tokens: int, temperature: float,
-                   seed: int) -> list[list[int]]:
-    """One batched ``POST {url}/generate`` to an SGLang server -> generated ids per prompt, EOS kept last."""
+                   seeds: list[int]) -> list[list[int]]:
+    """One batched ``POST {url}/generate`` to an SGLang server -> generated ids per prompt, EOS kept last;
+    ``seeds``: each request's ``sampling_seed`` at temperature > 0 (the run's seed + the sample's index)."""
     import requests
 
     params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "stop_token_ids": eos,
               "skip_special_tokens": False}
     if temperature > 0:
-        params.update(top_k=-1, top_p=1.0, sampling_seed=seed)
+        params.update(top_k=-1, top_p=1.0)
+        params = [dict(params, sampling_seed=seed) for seed in seeds]
     r = requests.post(f"{url}/generate", json={"input_ids": prompts, "sampling_params": params}, timeout=3600)
     if r.status_code != 200:
         raise RuntimeError(f"response server {url} answered {r.status_code}: {r.text[:500]}")
@@ -892,7 +918,8 @@ def _generate(target, tokenizer, prompts, cache_path: Path, args: TrainArgs, sho
     texts = load_prompts(prompts, args.num_prompts, args.seed)
     rendered = apply_chat(texts, tokenizer if getattr(tokenizer, "chat_template", None) else None)
     kwargs = dict(max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch_size,
-                  temperature=args.gen_temperature, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
+                  temperature=args.gen_temperature, samples_per_prompt=args.samples_per_prompt,
+                  max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
                   max_seconds=args.max_gen_seconds, progress=show, server_url=response_server, stop=stop)
     rank, world = _rank_world()
     if world == 1:
@@ -910,7 +937,7 @@ def _generate(target, tokenizer, prompts, cache_path: Path, args: TrainArgs, sho
     dist.barrier(group=group)
     dist.destroy_process_group(group)
     done = _read_cache(cache_path)[0] if cache_path.is_file() else {}
-    return [done[k] for k in map(_prompt_key, rendered) if k in done]
+    return [done[k] for k, _, _ in _sample_keys(rendered, args.samples_per_prompt) if k in done]
 
 
 def _records_by_key(cache_path: Path, keys: list[str]) -> list[dict]:
@@ -1086,6 +1113,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--gen-batch-size", type=int, default=d.gen_batch_size)
     p.add_argument("--gen-temperature", type=float, default=d.gen_temperature)
+    p.add_argument("--samples-per-prompt", type=int, default=d.samples_per_prompt,
+                   help="responses drawn per prompt (needs --gen-temperature > 0 above 1; cached ones are kept)")
     p.add_argument("--response-server", default=None,
                    help="URL of an SGLang server of the same target that regenerates the responses (faster)")
     p.add_argument("--generate-only", action="store_true", help="stop after regenerating the responses")
@@ -1110,6 +1139,10 @@ def main(argv: Optional[list[str]] = None) -> None:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if a.stop_at_step is not None and a.stop_at_step < 1:
         p.error("--stop-at-step must be >= 1")
+    try:
+        check_samples(a.samples_per_prompt, a.gen_temperature)
+    except TrainError as e:
+        p.error(str(e))
     args = TrainArgs(
         block_size=a.block_size, num_draft_layers=a.num_draft_layers, target_layer_ids=_int_list(a.target_layer_ids),
         mask_token_id=a.mask_token_id, sliding_window=a.sliding_window, num_sliding_layers=a.num_sliding_layers,
@@ -1117,7 +1150,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         grad_accum=a.grad_accum, lr=a.lr, weight_decay=a.weight_decay, warmup_ratio=a.warmup_ratio,
         warmup_steps=a.warmup_steps, grad_clip=a.grad_clip, seed=a.seed, max_seq_len=a.max_seq_len,
         num_prompts=a.num_prompts, max_prompt_tokens=a.max_prompt_tokens, max_new_tokens=a.max_new_tokens,
-        gen_batch_size=a.gen_batch_size, gen_temperature=a.gen_temperature, checkpoint_every=a.checkpoint_every,
+        gen_batch_size=a.gen_batch_size, gen_temperature=a.gen_temperature,
+        samples_per_prompt=a.samples_per_prompt, checkpoint_every=a.checkpoint_every,
         keep_checkpoints=a.keep_checkpoints, log_every=a.log_every, max_gen_seconds=a.max_gen_seconds,
         max_train_seconds=a.max_train_seconds, init_from=a.init_from, resume=a.resume, stop_at_step=a.stop_at_step,
         stop_after_seconds=a.stop_after_seconds,

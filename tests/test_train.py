@@ -11,8 +11,8 @@ from conftest import TINY_MASK_ID, make_tiny_target
 from sglang_dflash import data
 from sglang_dflash.config import DFlashDraftConfig, select_target_layers
 from sglang_dflash.model import load_draft
-from sglang_dflash.train import (Batch, TrainArgs, block_attention_mask, block_labels, cosine_lr, default_gamma,
-                                 generate_responses, loss_weights, make_batch, train)
+from sglang_dflash.train import (Batch, TrainArgs, TrainError, block_attention_mask, block_labels, cosine_lr,
+                                 default_gamma, generate_responses, loss_weights, main, make_batch, train)
 
 
 class CharTokenizer:
@@ -145,6 +145,79 @@ def test_responses_cache_resumes(tiny_run, tmp_path):
     assert generate_responses(target, CharTokenizer(), PROMPTS, packed, max_new_tokens=32, batch_size=8) == recs
     with gzip.open(packed, "rt") as f:
         assert sorted(json.loads(x)["key"] for x in f) == sorted(r["key"] for r in recs)
+
+
+def test_samples_per_prompt_extend_a_greedy_cache(tmp_path):
+    """Several sampled responses per prompt, keyed prompt-major (sample 0 by the prompt alone, so a cache of greedy
+    responses serves it and only the other samples are drawn); a rerun draws nothing; at temperature 0 more than
+    one sample is refused with the fix named."""
+    target = make_tiny_target("llama", initializer_range=0.2)
+    cache, prompts = tmp_path / "responses.jsonl", PROMPTS[:4]
+    greedy = generate_responses(target, CharTokenizer(), prompts, cache, max_new_tokens=16, batch_size=8,
+                                progress=False)
+    recs = generate_responses(target, CharTokenizer(), prompts, cache, max_new_tokens=16, batch_size=8,
+                              temperature=1.0, samples_per_prompt=3, seed=5, progress=False)
+    assert len(recs) == 12 and len(cache.read_text().splitlines()) == 12
+    assert [r["key"] for r in recs[:3]] == [greedy[0]["key"], greedy[0]["key"] + "-1", greedy[0]["key"] + "-2"]
+    assert recs[0::3] == greedy  # the greedy records kept as sample 0
+    for i in range(4):
+        trio = recs[3 * i:3 * i + 3]
+        assert all(r["prompt_ids"] == greedy[i]["prompt_ids"] for r in trio)
+        assert trio[1]["response_ids"] != trio[2]["response_ids"], trio  # two draws, not one copied
+    # the draws follow the seed: the same samples again from a fresh cache of the greedy records
+    fresh = tmp_path / "fresh.jsonl"
+    fresh.write_text("".join(json.dumps(r) + "\n" for r in greedy))
+    assert generate_responses(target, CharTokenizer(), prompts, fresh, max_new_tokens=16, batch_size=8,
+                              temperature=1.0, samples_per_prompt=3, seed=5, progress=False) == recs
+
+    class NoGenerate(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.zeros(1))
+            self.generation_config = target.generation_config
+
+        def generate(self, *a, **k):
+            raise AssertionError("cached samples must not be drawn again")
+
+    assert generate_responses(NoGenerate(), CharTokenizer(), prompts, cache, temperature=1.0, samples_per_prompt=3,
+                              progress=False) == recs
+    with pytest.raises(TrainError, match=r"--samples-per-prompt 2 at --gen-temperature 0.0.*--gen-temperature > 0"):
+        generate_responses(target, CharTokenizer(), prompts, cache, samples_per_prompt=2, progress=False)
+
+
+def test_samples_through_a_response_server_carry_their_own_seeds(monkeypatch, tmp_path):
+    """``--response-server``: one request per (prompt, sample), each with ``sampling_seed`` = seed + its sample
+    index, and the EOS the server matched kept as the last token."""
+    import sys
+    import types
+
+    target = make_tiny_target("llama")
+    posted = []
+
+    def post(url, json, timeout):
+        posted.append(json)
+        n = len(json["input_ids"])
+        return types.SimpleNamespace(status_code=200, json=lambda: [
+            {"output_ids": [10 + i, 11], "meta_info": {"finish_reason": {"type": "stop", "matched": 2}}}
+            for i in range(n)])
+
+    monkeypatch.setitem(sys.modules, "requests", types.SimpleNamespace(post=post))
+    recs = generate_responses(target, CharTokenizer(), PROMPTS[:3], tmp_path / "r.jsonl", server_url="http://x:1/",
+                              temperature=0.8, samples_per_prompt=2, seed=7, batch_size=4, progress=False)
+    assert len(recs) == 6 and all(r["response_ids"][-2:] == [11, 2] for r in recs)
+    sent = [(ids, params) for body in posted for ids, params in zip(body["input_ids"], body["sampling_params"])]
+    assert len(sent) == 6 and all(p["temperature"] == 0.8 and p["top_k"] == -1 for _, p in sent)
+    by_prompt = {}
+    for ids, params in sent:
+        by_prompt.setdefault(tuple(ids), []).append(params["sampling_seed"])
+    assert sorted(map(sorted, by_prompt.values())) == [[7, 8]] * 3
+
+
+def test_cli_refuses_samples_at_temperature_zero(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--target", "smollm2", "--out", "x", "--samples-per-prompt", "3"])
+    assert e.value.code == 2
+    assert "--samples-per-prompt 3 at --gen-temperature 0.0" in capsys.readouterr().err
 
 
 def test_training_is_deterministic(tiny_run, tmp_path):
