@@ -33,6 +33,18 @@ class CharTokenizer:
 PROMPTS = [f"tell me about item {i} please" for i in range(24)]
 
 
+class NoGenerate(torch.nn.Module):
+    """A stand-in for ``target`` whose generate fails: every response must come from the cache."""
+
+    def __init__(self, target):
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.zeros(1))
+        self.generation_config = target.generation_config
+
+    def generate(self, *a, **k):
+        raise AssertionError("cached responses must not be generated again")
+
+
 def test_block_attention_mask_exact():
     anchors = torch.tensor([[2, 4]])
     m = block_attention_mask(anchors, ctx_len=5, block_size=2)
@@ -112,16 +124,7 @@ def test_responses_cache_resumes(tiny_run, tmp_path):
     lines = cache.read_text().splitlines()
     assert len(lines) == len(PROMPTS)
 
-    class NoGenerate(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.p = torch.nn.Parameter(torch.zeros(1))
-            self.generation_config = target.generation_config
-
-        def generate(self, *a, **k):
-            raise AssertionError("cached prompts must not be regenerated")
-
-    recs = generate_responses(NoGenerate(), CharTokenizer(), PROMPTS, cache, max_new_tokens=32)
+    recs = generate_responses(NoGenerate(target), CharTokenizer(), PROMPTS, cache, max_new_tokens=32)
     assert len(recs) == len(PROMPTS) and {r["key"] for r in recs} == {json.loads(x)["key"] for x in lines}
     # a partial cache regenerates only the missing prompts, with the same greedy result
     part = tmp_path / "part.jsonl"
@@ -169,17 +172,7 @@ def test_samples_per_prompt_extend_a_greedy_cache(tmp_path):
     fresh.write_text("".join(json.dumps(r) + "\n" for r in greedy))
     assert generate_responses(target, CharTokenizer(), prompts, fresh, max_new_tokens=16, batch_size=8,
                               temperature=1.0, samples_per_prompt=3, seed=5, progress=False) == recs
-
-    class NoGenerate(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.p = torch.nn.Parameter(torch.zeros(1))
-            self.generation_config = target.generation_config
-
-        def generate(self, *a, **k):
-            raise AssertionError("cached samples must not be drawn again")
-
-    assert generate_responses(NoGenerate(), CharTokenizer(), prompts, cache, temperature=1.0, samples_per_prompt=3,
+    assert generate_responses(NoGenerate(target), CharTokenizer(), prompts, cache, temperature=1.0, samples_per_prompt=3,
                               progress=False) == recs
     with pytest.raises(TrainError, match=r"--samples-per-prompt 2 at --gen-temperature 0.0.*--gen-temperature > 0"):
         generate_responses(target, CharTokenizer(), prompts, cache, samples_per_prompt=2, progress=False)
