@@ -1224,6 +1224,32 @@ def test_step_graphs_planned_cover_every_width_the_policy_can_choose_and_no_more
     assert len(planned_graphs(sizes, widths, 49152, 21)) == (15 * 5 + 12) * 3  # 15 sizes up to 22, 12 above
 
 
+def test_a_capture_out_of_gpu_memory_names_the_flags_that_fix_it(monkeypatch):
+    """Start-up: a decode-step capture that runs out of GPU memory stops the server with what it was capturing and
+    the flags that capture less (or leave it more memory), not with the allocator's traceback."""
+    from sglang_dflash.adapter import compat, step_graphs
+
+    def out_of_memory(*args):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(compat, "VERIFY_ARGS_KEYWORD_PLAN", False)
+    monkeypatch.setattr(compat, "unchecked_flashinfer", lambda: None)
+    monkeypatch.setattr(step_graphs.torch.cuda, "mem_get_info", lambda device: (6.4e9, 80e9))
+    monkeypatch.setattr(step_graphs, "StepGraphs", out_of_memory)
+    runner = SimpleNamespace(decode_cuda_graph_runner=SimpleNamespace(capture_bs=[1, 2, 4, 8, 16, 24, 32]),
+                             attn_backend=SimpleNamespace(num_wrappers=1, prefill_backend="fa2"),
+                             model_config=SimpleNamespace(vocab_size=151936))
+    with pytest.raises(MemoryError) as e:
+        step_graphs.capture(None, (runner, runner), "flashinfer", False, (1, 2, 4, 8, 16), "cuda:0")
+    message = str(e.value)
+    assert message.startswith("sglang-dflash: capturing the decode step (")
+    planned = step_graphs.planned_graphs([1, 2, 4, 8, 16, 24, 32], (1, 2, 4, 8, 16), 151936)
+    assert f"({step_graphs.graph_count(planned)} CUDA graphs" in message
+    assert "batch sizes up to 32 x verify widths [1, 2, 4, 8, 16]" in message and "6.4 GB were free" in message
+    for fix in ("--cuda-graph-max-bs 8", """'{"widths": [1, 4, 16]}'""", '"max_batch_size": 32', "--mem-fraction-static"):
+        assert fix in message, fix
+
+
 def test_sampled_step_graphs_only_where_a_vocabulary_row_block_fits():
     """Each (batch size, width) is captured greedy, and sampled / filtered where a [bs x width, V] float32 tensor fits
     `SAMPLED_ROWS_BYTES` (256 MiB): SmolLM2's 49,152 ids up to 1,365 rows, Qwen3's 151,936 up to 441."""

@@ -91,6 +91,18 @@ def graph_count(planned) -> int:
     return 2 * len(planned) + len({(bs, w) for bs, w, _ in planned})
 
 
+def out_of_memory_message(sizes: Sequence[int], widths: Sequence[int], graphs: int, free_gb: float) -> str:
+    """What a decode-step capture that ran out of GPU memory tells the user: what it was capturing and the flags
+    that capture fewer or smaller graphs, or leave it more memory."""
+    narrower = [w for w in widths if w in (1, 4, max(widths))]
+    return (f"sglang-dflash: capturing the decode step ({graphs} CUDA graphs: batch sizes up to {max(sizes)} x verify "
+            f"widths {list(widths)}) ran out of GPU memory ({free_gb:.1f} GB were free when it began). Capture fewer or "
+            f"smaller graphs: --cuda-graph-max-bs {max(1, max(sizes) // 4)}, fewer widths "
+            f"(--speculative-adaptive-config '{{\"widths\": {narrower}}}'), or speculate only up to a batch size "
+            "('{\"max_batch_size\": 32}': width 1 alone above it); or leave the capture more memory with a lower "
+            "--mem-fraction-static.")
+
+
 def capture(m: StepModels, runners: Sequence, backend: str, hybrid: bool, widths: Sequence[int],
             device, max_batch_size: int | None = None) -> StepGraphs | None:
     """`decode_step` captured for the batch sizes both ``runners`` (target, draft) captured x ``widths`` (x the sampled
@@ -119,7 +131,10 @@ def capture(m: StepModels, runners: Sequence, backend: str, hybrid: bool, widths
                 sizes, widths, "" if max_batch_size is None else f" (width 1 above {max_batch_size} requests)",
                 graph_count(planned))
     t0, free0 = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
-    graphs = StepGraphs(m, sizes, widths, vocab_size, device, hybrid, max_batch_size)
+    try:
+        graphs = StepGraphs(m, sizes, widths, vocab_size, device, hybrid, max_batch_size)
+    except torch.cuda.OutOfMemoryError:  # start-up, not the step: name the fixes instead of a traceback
+        raise MemoryError(out_of_memory_message(sizes, widths, graph_count(planned), free0 / 1e9)) from None
     pairs = sorted({(bs, w) for bs, w, kind in graphs.captured if kind == SAMPLED})
     logger.info("sglang-dflash: decode step captured as CUDA graphs for batch sizes %s x verify widths %s; "
                 "sampled steps for %d (batch size, width) pairs up to %d rows; %d graphs in %.1f s (the first, "
