@@ -95,11 +95,12 @@ def out_of_memory_message(sizes: Sequence[int], widths: Sequence[int], graphs: i
     """What a decode-step capture that ran out of GPU memory tells the user: what it was capturing and the flags
     that capture fewer or smaller graphs, or leave it more memory."""
     narrower = [w for w in widths if w in (1, 4, max(widths))]
+    fewer = (f"fewer widths (--speculative-adaptive-config '{{\"widths\": {narrower}}}'), "
+             if len(narrower) < len(widths) else "")
     return (f"sglang-dflash: capturing the decode step ({graphs} CUDA graphs: batch sizes up to {max(sizes)} x verify "
             f"widths {list(widths)}) ran out of GPU memory ({free_gb:.1f} GB were free when it began). Capture fewer or "
-            f"smaller graphs: --cuda-graph-max-bs {max(1, max(sizes) // 4)}, fewer widths "
-            f"(--speculative-adaptive-config '{{\"widths\": {narrower}}}'), or speculate only up to a batch size "
-            "('{\"max_batch_size\": 32}': width 1 alone above it); or leave the capture more memory with a lower "
+            f"smaller graphs: --cuda-graph-max-bs {max(1, max(sizes) // 4)}, {fewer}or speculate only up to a batch "
+            "size ('{\"max_batch_size\": 32}': width 1 alone above it); or leave the capture more memory with a lower "
             "--mem-fraction-static.")
 
 
