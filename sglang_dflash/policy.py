@@ -94,6 +94,12 @@ class AdaptiveConfig:
                    max_batch_size=cap)
 
 
+def possible_widths(widths, max_batch_size: int | None) -> list[int]:
+    """Every width a policy over candidate ``widths`` can choose: those, and 1 (plain decode) above a batch-size
+    ceiling."""
+    return sorted({*widths, *([1] if max_batch_size is not None else [])})
+
+
 def bucket(bs: int) -> int:
     """Batch sizes share step-time estimates within powers of two: 1, 2, 3-4, 5-8, ..."""
     return 1 << max(bs - 1, 0).bit_length()

@@ -603,16 +603,17 @@ def test_block_kv_layout_gathers_prefix_and_block_per_request():
 
 def test_step_graph_device_plan_writes_flashinfer_workspace_at_the_plan_offsets(monkeypatch):
     """DevicePlan reads the capture-time plan's offsets (FlashInfer's PrefillPlanInfo order) and writes the split-kv
-    plan of the committed lengths there, as int32 (uint8 block_valid_mask), leaving the rest of the workspace."""
+    plan of the committed lengths and the row count there, as int32 (uint8 block_valid_mask), leaving the rest of
+    the workspace: every array a replay's kernels read from it, so graphs can share one workspace."""
     from sglang_dflash.adapter import step_graphs
     from sglang_dflash.kernels.attention_plan import split_kv_plan_ref
 
     monkeypatch.setattr(step_graphs.torch.cuda, "get_device_properties",
                         lambda device: SimpleNamespace(multi_processor_count=5))
     bs, B, padded = 3, 4, 8
-    offsets = dict(req=16, qtile=48, kvtile=80, merge=112, o=176, chunk=192, valid=208)
-    info = [padded, bs * B, 0, 64, offsets["req"], offsets["qtile"], offsets["kvtile"], offsets["merge"],
-            offsets["o"], offsets["chunk"], 0, 0, offsets["valid"], 1, 1]
+    offsets = dict(rows=0, req=16, qtile=48, kvtile=80, merge=112, o=176, chunk=192, valid=208)
+    info = [padded, bs * B, offsets["rows"], 64, offsets["req"], offsets["qtile"], offsets["kvtile"],
+            offsets["merge"], offsets["o"], offsets["chunk"], 0, 0, offsets["valid"], 1, 1]
     ws = torch.full((256,), 0xAB, dtype=torch.uint8)
     wrapper = SimpleNamespace(_plan_info=info, _int_workspace_buffer=ws)
     plan = step_graphs.DevicePlan(wrapper, bs, B, num_qo_heads=6, num_kv_heads=2,
@@ -634,8 +635,9 @@ def test_step_graph_device_plan_writes_flashinfer_workspace_at_the_plan_offsets(
     assert torch.equal(i32(offsets["o"], bs + 1), want["o_indptr"])
     assert torch.equal(i32(offsets["chunk"], 1), want["kv_chunk_size"])
     assert torch.equal(ws[offsets["valid"] : offsets["valid"] + padded], want["block_valid_mask"])
+    assert i32(offsets["rows"], 1).item() == bs * B  # the plan's row count (the workspace is shared by graphs)
     written = torch.zeros(256, dtype=torch.bool)
-    for key, n in (("req", padded), ("qtile", padded), ("kvtile", padded), ("merge", bs * B + 1), ("o", bs + 1),
+    for key, n in (("rows", 1), ("req", padded), ("qtile", padded), ("kvtile", padded), ("merge", bs * B + 1), ("o", bs + 1),
                    ("chunk", 1)):
         written[offsets[key] : offsets[key] + 4 * n] = True
     written[offsets["valid"] : offsets["valid"] + padded] = True
@@ -1222,6 +1224,55 @@ def test_step_graphs_planned_cover_every_width_the_policy_can_choose_and_no_more
             assert all((m, w, GREEDY) in plan for w in choosable)
         assert {(bs, w) for bs, w, _ in plan} == {(bs, w) for bs in sizes for w in (widths if bs <= top else [1])}
     assert len(planned_graphs(sizes, widths, 49152, 21)) == (15 * 5 + 12) * 3  # 15 sizes up to 22, 12 above
+
+
+def test_step_graph_memory_estimate_counts_each_graph_and_the_shared_buffers():
+    """`capture_bytes`, hand-counted: each graph's own memory (per target layer), the shared float32 logits of the
+    largest size x block, the drafts' law (the most bs * (w - 1) rows), the two int workspaces."""
+    from sglang_dflash.adapter.step_graphs import GRAPH_BYTES_PER_TARGET_LAYER as per_layer, capture_bytes
+
+    workspaces = 2 * (8 << 20)
+    # sizes 1, 2 x widths 1, 4 x three accept kinds (vocabulary 8: every kind fits): 12 steps, a draft and an accept
+    # graph each, and 4 verify graphs; logits 2 x 4 rows, law 2 x 3 rows
+    assert capture_bytes([1, 2], [1, 4], 4, 8, 30) == 28 * 30 * per_layer + (8 + 6) * 8 * 4 + workspaces
+    # a ceiling of 1 request: size 2 at width 1 only (3 steps, 1 verify graph) -> 21 graphs, law 1 x 3 rows
+    assert capture_bytes([1, 2], [1, 4], 4, 8, 30, max_batch_size=1) == 21 * 30 * per_layer + (8 + 3) * 8 * 4 + workspaces
+    # a vocabulary too large for the sampled kinds: greedy only (12 graphs), no law
+    big = (256 << 20) // 4 + 1
+    assert capture_bytes([1, 2], [1, 4], 4, big, 30) == 12 * 30 * per_layer + 8 * big * 4 + workspaces
+
+
+def _graph_args(draft, **overrides):
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    decode = SimpleNamespace(bs=[1, 2, 4, 8, 16], max_bs=8, backend=overrides.pop("decode_backend", Backend.FULL))
+    return _args(draft, **{"device": "cuda", "speculative_algorithm": "DFLASH",
+                           "cuda_graph_config": SimpleNamespace(decode=decode), **overrides})
+
+
+def test_step_graph_memory_is_added_to_sglangs_reserve_where_the_step_is_captured(draft_dir, monkeypatch):
+    """When SGLang sizes --mem-fraction-static itself, the reserve it leaves outside the static fraction (its own
+    graphs') grows by the step graphs' estimate for the batch sizes SGLang captures up to its --cuda-graph-max-bs and
+    every width the policy can choose; nothing where the step is not captured (CPU, decode graphs off, Triton)."""
+    import sglang.srt.utils
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    from sglang_dflash.adapter import hooks
+    from sglang_dflash.adapter.step_graphs import capture_bytes
+
+    monkeypatch.setattr(sglang.srt.utils, "is_flashinfer_available", lambda: True)
+    sglangs = lambda server_args: 100.0  # noqa: E731  SGLang's own reserve (MB)
+    mb = lambda nbytes: nbytes / (1 << 20)  # noqa: E731
+    # the test draft: block 8, vocabulary 100, 8 target layers; default widths 1, 2, 4, 8
+    assert hooks._reserve_step_graphs(sglangs, _graph_args(draft_dir)) == 100.0 + mb(
+        capture_bytes([1, 2, 4, 8], [1, 2, 4, 8], 8, 100, 8))
+    config = '{"widths": [4, 8], "max_batch_size": 2}'  # width 1 above the ceiling
+    assert hooks._reserve_step_graphs(sglangs, _graph_args(draft_dir, speculative_adaptive_config=config)) == (
+        100.0 + mb(capture_bytes([1, 2, 4, 8], [1, 4, 8], 8, 100, 8, max_batch_size=2)))
+    for args in (_graph_args(draft_dir, device="cpu"), _graph_args(draft_dir, decode_backend=Backend.DISABLED),
+                 _graph_args(draft_dir, attention_backend="triton"),
+                 _graph_args(draft_dir, speculative_algorithm="EAGLE")):
+        assert hooks._reserve_step_graphs(sglangs, args) == 100.0
 
 
 def test_a_capture_out_of_gpu_memory_names_the_flags_that_fix_it(monkeypatch):

@@ -49,6 +49,7 @@ EXPECTED_SIGNATURES = {
         "self", "forward_batch", "in_capture"],
     # used (not hooked) by the verify attention's layout and the step's own batches (SGLang 0.5.23+)
     **compat.KV_PLAN_CALLS,
+    **({compat.GRAPH_RESERVE[0]: compat.GRAPH_RESERVE[1]} if compat.GRAPH_RESERVE else {}),
     # the CPU set-up's hooks
     **{target: params for target, (_hook, params) in cpu_platform.hooks().items()},
 }
@@ -115,6 +116,8 @@ def install() -> bool:
         "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.handle_server_args",
         _handle_server_args, HookType.AROUND,
     )
+    if compat.GRAPH_RESERVE:
+        HookRegistry.register(compat.GRAPH_RESERVE[0], _reserve_step_graphs, HookType.AROUND)
     HookRegistry.register(
         "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.create_worker",
         _create_worker, HookType.AROUND,
@@ -158,6 +161,17 @@ def _handle_server_args(original, algo, server_args):
 
     resolve_server_args(server_args)
     hybrid.resolve_server_args(server_args)
+
+
+def _reserve_step_graphs(original, server_args):
+    """SGLang's reserve for its graphs (MB, when it sizes --mem-fraction-static itself), and for DFLASH served by
+    sglang-dflash the decode step's graphs too (`server_args.step_graph_reserve_mb`)."""
+    reserved = original(server_args)
+    if not _ours_by_args(server_args):
+        return reserved
+    from sglang_dflash.adapter.server_args import step_graph_reserve_mb
+
+    return reserved + step_graph_reserve_mb(server_args)
 
 
 def _default_attn_backend(original, server_args, *args, **kwargs):

@@ -7,7 +7,7 @@ import logging
 from sglang_dflash.adapter import compat
 from sglang_dflash.adapter.tp import check_draft_divides
 from sglang_dflash.config import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, DFlashConfigError, DFlashDraftConfig
-from sglang_dflash.policy import AdaptiveConfig, PolicyConfigError
+from sglang_dflash.policy import AdaptiveConfig, PolicyConfigError, possible_widths
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,54 @@ def default_attention_backend(server_args, sglang_default: str) -> str:
     return "flashinfer" if is_flashinfer_available() and not is_hip() else "triton"
 
 
+def block_size(server_args, dcfg: DFlashDraftConfig) -> int:
+    """The block size served: --speculative-dflash-block-size or --speculative-num-draft-tokens, else the draft's."""
+    block = server_args.speculative_dflash_block_size or server_args.speculative_num_draft_tokens
+    if (server_args.speculative_dflash_block_size and server_args.speculative_num_draft_tokens
+            and server_args.speculative_dflash_block_size != server_args.speculative_num_draft_tokens):
+        _fail("--speculative-dflash-block-size and --speculative-num-draft-tokens differ", "Pass only one of them.")
+    block = int(block or dcfg.block_size)
+    if not MIN_BLOCK_SIZE <= block <= MAX_BLOCK_SIZE:
+        _fail(f"block size {block} is out of range [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]",
+              "Pass --speculative-dflash-block-size within that range.")
+    return block
+
+
+def adaptive_config(server_args, block: int) -> AdaptiveConfig:
+    """--speculative-adaptive-config for ``block``, or a clear error."""
+    try:
+        return AdaptiveConfig.parse(server_args.speculative_adaptive_config, block)
+    except PolicyConfigError as e:
+        raise ValueError(f"sglang-dflash: {e}") from None
+
+
+def step_graph_reserve_mb(raw_args) -> float:
+    """GPU memory (MB) for the decode step's CUDA graphs (`step_graphs.capture_bytes`), which SGLang's own reserve
+    (the memory it leaves outside --mem-fraction-static when it sizes that fraction itself) does not count; logged.
+    0 where the step is not captured (CPU, decode CUDA graphs off, an attention backend other than FlashInfer)."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+    from sglang.srt.utils import is_flashinfer_available
+
+    from sglang_dflash.adapter import step_graphs
+
+    server_args = compat.resolving(raw_args)
+    decode = server_args.cuda_graph_config.decode
+    backend = server_args.attention_backend or ("flashinfer" if is_flashinfer_available() else None)
+    if (_on_cpu(server_args) or server_args.speculative_draft_model_path is None or not decode.bs
+            or decode.backend == Backend.DISABLED or backend != "flashinfer"):
+        return 0.0
+    dcfg = load_draft_config(server_args)
+    block = block_size(server_args, dcfg)
+    adaptive = adaptive_config(server_args, block)
+    widths = possible_widths(adaptive.widths, adaptive.max_batch_size)
+    sizes = [bs for bs in decode.bs if bs <= decode.max_bs]
+    nbytes = step_graphs.capture_bytes(sizes, widths, block, dcfg.vocab_size, dcfg.num_target_layers,
+                                       adaptive.max_batch_size)
+    logger.info("sglang-dflash: %.1f GB of GPU memory kept outside --mem-fraction-static for the decode step's CUDA "
+                "graphs (batch sizes up to %d x verify widths %s)", nbytes / 1e9, max(sizes), widths)
+    return nbytes / (1 << 20)
+
+
 def resolve_server_args(raw_args) -> None:
     """Validate flags and the draft checkpoint; fix block size, steps and scheduling mode (``raw_args``: the
     ServerArgs being resolved; read through `compat.resolving`, written through `compat.resolve`)."""
@@ -87,22 +135,12 @@ def resolve_server_args(raw_args) -> None:
         _fail("DFLASH verifies one linear block: --speculative-eagle-topk/--speculative-num-steps must be 1",
               "Remove those flags.")
 
-    block = server_args.speculative_dflash_block_size or server_args.speculative_num_draft_tokens
-    if (server_args.speculative_dflash_block_size and server_args.speculative_num_draft_tokens
-            and server_args.speculative_dflash_block_size != server_args.speculative_num_draft_tokens):
-        _fail("--speculative-dflash-block-size and --speculative-num-draft-tokens differ", "Pass only one of them.")
-    block = int(block or dcfg.block_size)
-    if not MIN_BLOCK_SIZE <= block <= MAX_BLOCK_SIZE:
-        _fail(f"block size {block} is out of range [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]",
-              "Pass --speculative-dflash-block-size within that range.")
+    block = block_size(server_args, dcfg)
     if server_args.speculative_adaptive:
         logger.info("sglang-dflash: --speculative-adaptive is SGLang's EAGLE switch; DFLASH served by sglang-dflash "
                     "chooses its verify width per step unless --speculative-adaptive-config says otherwise")
         compat.resolve(raw_args, speculative_adaptive=False)
-    try:
-        adaptive = AdaptiveConfig.parse(server_args.speculative_adaptive_config, block)
-    except PolicyConfigError as e:
-        raise ValueError(f"sglang-dflash: {e}") from None
+    adaptive = adaptive_config(server_args, block)
     logger.info("sglang-dflash: verify widths %s (%s)", list(adaptive.widths),
                 "chosen per step" if len(adaptive.widths) > 1 else "fixed")
     if block > dcfg.block_size:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_dflash.policy import AdaptiveConfig, WidthPolicy
+from sglang_dflash.policy import AdaptiveConfig, WidthPolicy, possible_widths
 
 logger = logging.getLogger(__name__)
 LOG_EVERY_S = 60.0
@@ -71,7 +71,7 @@ class StepWidths:
 
     def possible_widths(self) -> list[int]:
         """Every width `choose` can return (the candidates, and 1 above a batch-size ceiling)."""
-        return sorted({*self.policy.widths, *([1] if self.policy.max_batch_size is not None else [])})
+        return possible_widths(self.policy.widths, self.policy.max_batch_size)
 
     def choose(self, bs: int) -> int:
         """The verify width of the next step, of ``bs`` requests."""
