@@ -120,14 +120,12 @@ else:
                             ["self", "use_mla_backend", "model_config"])
     CPU_BACKENDS = ("sglang.srt.server_args.ServerArgs._handle_cpu_backends", ["self"])
 FREE_KV_ALIGNED_PARAMS = ["self", "kv" if KV_FIELDS_ON_REQ_KV else "pool_idx", "target", "end"]
-# the server-argument pass whose Gemma 4 branch refuses torch_native (0.5.17; later releases moved it, and the CPU
-# set-up does not lift that check there: `cpu_platform`)
 # SGLang's reserve for its graphs when it sizes --mem-fraction-static itself, which the step graphs' memory is added
 # to (`server_args.step_graph_reserve_mb`); None where the step graphs are off (`VERIFY_ARGS_KEYWORD_PLAN`)
 GRAPH_RESERVE = None if VERIFY_ARGS_KEYWORD_PLAN else ("sglang.srt.server_args.ServerArgs.reserve_for_graph_mb",
                                                        ["self"])
-
-
+# the server-argument pass whose Gemma 4 branch refuses torch_native (0.5.17; later releases moved it, and the CPU
+# set-up does not lift that check there: `cpu_platform`)
 GEMMA4_CHECK = (("sglang.srt.server_args.ServerArgs._handle_model_specific_adjustments", ["self"])
                 if hasattr(_server_args.ServerArgs, "_handle_model_specific_adjustments") else None)
 WORKER_PARAMS = ["self", "server_args", "gpu_id", *(["ps"] if WORKER_TAKES_PS else []), "nccl_port",
