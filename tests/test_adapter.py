@@ -1244,15 +1244,15 @@ def test_step_graph_memory_estimate_counts_each_graph_and_the_shared_buffers():
 def _graph_args(draft, **overrides):
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
-    decode = SimpleNamespace(bs=[1, 2, 4, 8, 16], max_bs=8, backend=overrides.pop("decode_backend", Backend.FULL))
+    decode = SimpleNamespace(bs=[1, 2, 4, 8], backend=overrides.pop("decode_backend", Backend.FULL))
     return _args(draft, **{"device": "cuda", "speculative_algorithm": "DFLASH",
                            "cuda_graph_config": SimpleNamespace(decode=decode), **overrides})
 
 
 def test_step_graph_memory_is_added_to_sglangs_reserve_where_the_step_is_captured(draft_dir, monkeypatch):
     """When SGLang sizes --mem-fraction-static itself, the reserve it leaves outside the static fraction (its own
-    graphs') grows by the step graphs' estimate for the batch sizes SGLang captures up to its --cuda-graph-max-bs and
-    every width the policy can choose; nothing where the step is not captured (CPU, decode graphs off, Triton)."""
+    graphs') grows by the step graphs' estimate for the batch sizes SGLang's decode graphs capture and every width
+    the policy can choose; nothing where the step is not captured (CPU, decode graphs off, Triton)."""
     import sglang.srt.utils
     from sglang.srt.model_executor.cuda_graph_config import Backend
 

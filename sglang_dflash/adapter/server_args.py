@@ -84,14 +84,14 @@ def step_graph_reserve_mb(raw_args) -> float:
     server_args = compat.resolving(raw_args)
     decode = server_args.cuda_graph_config.decode
     backend = server_args.attention_backend or ("flashinfer" if is_flashinfer_available() else None)
-    if (_on_cpu(server_args) or server_args.speculative_draft_model_path is None or not decode.bs
-            or decode.backend == Backend.DISABLED or backend != "flashinfer"):
+    if (_on_cpu(server_args) or server_args.speculative_draft_model_path is None or decode.backend == Backend.DISABLED
+            or backend != "flashinfer"):
         return 0.0
     dcfg = load_draft_config(server_args)
     block = block_size(server_args, dcfg)
     adaptive = adaptive_config(server_args, block)
     widths = possible_widths(adaptive.widths, adaptive.max_batch_size)
-    sizes = [bs for bs in decode.bs if bs <= decode.max_bs]
+    sizes = list(decode.bs)  # SGLang's decode runners capture these (before a clamp to the request pool): the step too
     nbytes = step_graphs.capture_bytes(sizes, widths, block, dcfg.vocab_size, dcfg.num_target_layers,
                                        adaptive.max_batch_size)
     logger.info("sglang-dflash: %.1f GB of GPU memory kept outside --mem-fraction-static for the decode step's CUDA "
