@@ -515,6 +515,24 @@ def test_overlap_is_kept_only_for_batches_that_do_not_read_the_output_so_far(mon
     assert not sync(batch(_req(), grammar=True))  # another algorithm: SGLang's rule only
 
 
+def test_sglangs_decode_graphs_are_warmed_up_not_captured_when_our_step_serves(monkeypatch):
+    """The DFLASH decode step calls both models itself (eager, or its own graphs), so SGLang's decode-mode graph
+    runners of a DFLASH-ours server run only their one-time kernel warm-up; any other server captures as SGLang does."""
+    calls = []
+    runner = SimpleNamespace(warmup=lambda: calls.append("warmup"),
+                             model_runner=SimpleNamespace(is_draft_worker=True))
+
+    def capture(r):
+        calls.append("capture")
+
+    monkeypatch.setattr(hooks, "_serving_dflash", lambda: True)
+    assert hooks._warm_up_without_decode_graphs(capture, runner) is None
+    assert calls == ["warmup"]
+    monkeypatch.setattr(hooks, "_serving_dflash", lambda: False)
+    hooks._warm_up_without_decode_graphs(capture, runner)
+    assert calls == ["warmup", "capture"]
+
+
 def test_every_forward_publishes_its_committed_lengths():
     """Under the overlap schedule the scheduler plans the next step from the lengths published by this one: the
     worker hands `on_publish` the result's new_seq_lens on every path (prefill, idle, decode), and nothing when
@@ -603,16 +621,17 @@ def test_block_kv_layout_gathers_prefix_and_block_per_request():
 
 def test_step_graph_device_plan_writes_flashinfer_workspace_at_the_plan_offsets(monkeypatch):
     """DevicePlan reads the capture-time plan's offsets (FlashInfer's PrefillPlanInfo order) and writes the split-kv
-    plan of the committed lengths there, as int32 (uint8 block_valid_mask), leaving the rest of the workspace."""
+    plan of the committed lengths and the row count there, as int32 (uint8 block_valid_mask), leaving the rest of
+    the workspace: every array a replay's kernels read from it, so graphs can share one workspace."""
     from sglang_dflash.adapter import step_graphs
     from sglang_dflash.kernels.attention_plan import split_kv_plan_ref
 
     monkeypatch.setattr(step_graphs.torch.cuda, "get_device_properties",
                         lambda device: SimpleNamespace(multi_processor_count=5))
     bs, B, padded = 3, 4, 8
-    offsets = dict(req=16, qtile=48, kvtile=80, merge=112, o=176, chunk=192, valid=208)
-    info = [padded, bs * B, 0, 64, offsets["req"], offsets["qtile"], offsets["kvtile"], offsets["merge"],
-            offsets["o"], offsets["chunk"], 0, 0, offsets["valid"], 1, 1]
+    offsets = dict(rows=0, req=16, qtile=48, kvtile=80, merge=112, o=176, chunk=192, valid=208)
+    info = [padded, bs * B, offsets["rows"], 64, offsets["req"], offsets["qtile"], offsets["kvtile"],
+            offsets["merge"], offsets["o"], offsets["chunk"], 0, 0, offsets["valid"], 1, 1]
     ws = torch.full((256,), 0xAB, dtype=torch.uint8)
     wrapper = SimpleNamespace(_plan_info=info, _int_workspace_buffer=ws)
     plan = step_graphs.DevicePlan(wrapper, bs, B, num_qo_heads=6, num_kv_heads=2,
@@ -634,8 +653,9 @@ def test_step_graph_device_plan_writes_flashinfer_workspace_at_the_plan_offsets(
     assert torch.equal(i32(offsets["o"], bs + 1), want["o_indptr"])
     assert torch.equal(i32(offsets["chunk"], 1), want["kv_chunk_size"])
     assert torch.equal(ws[offsets["valid"] : offsets["valid"] + padded], want["block_valid_mask"])
+    assert i32(offsets["rows"], 1).item() == bs * B  # the plan's row count (the workspace is shared by graphs)
     written = torch.zeros(256, dtype=torch.bool)
-    for key, n in (("req", padded), ("qtile", padded), ("kvtile", padded), ("merge", bs * B + 1), ("o", bs + 1),
+    for key, n in (("rows", 1), ("req", padded), ("qtile", padded), ("kvtile", padded), ("merge", bs * B + 1), ("o", bs + 1),
                    ("chunk", 1)):
         written[offsets[key] : offsets[key] + 4 * n] = True
     written[offsets["valid"] : offsets["valid"] + padded] = True
@@ -1226,19 +1246,19 @@ def test_step_graphs_planned_cover_every_width_the_policy_can_choose_and_no_more
 
 def test_step_graph_memory_estimate_counts_each_graph_and_the_shared_buffers():
     """`capture_bytes`, hand-counted: each graph's own memory (per target layer), the shared float32 logits of the
-    largest size x block, the drafts' law (the most bs * (w - 1) rows), an 8 MiB int workspace per wrapper (the
-    target's per (size, width), the draft's per size with a width above 1)."""
+    largest size x block, the drafts' law (the most bs * (w - 1) rows), and two 8 MiB int workspaces (one per
+    forward, whatever the number of wrappers)."""
     from sglang_dflash.adapter.step_graphs import GRAPH_BYTES_PER_TARGET_LAYER as per_layer, capture_bytes
 
     ws = 8 << 20
     # sizes 1, 2 x widths 1, 4 x three accept kinds (vocabulary 8: every kind fits): 12 steps, a draft and an accept
-    # graph each, and 4 verify graphs; logits 2 x 4 rows, law 2 x 3 rows; 4 + 2 wrappers
-    assert capture_bytes([1, 2], [1, 4], 4, 8, 30) == 28 * 30 * per_layer + (8 + 6) * 8 * 4 + 6 * ws
-    # a ceiling of 1 request: size 2 at width 1 only (3 steps, 1 verify graph) -> 21 graphs, law 1 x 3 rows; 3 + 1
-    assert capture_bytes([1, 2], [1, 4], 4, 8, 30, max_batch_size=1) == 21 * 30 * per_layer + (8 + 3) * 8 * 4 + 4 * ws
+    # graph each, and 4 verify graphs; logits 2 x 4 rows, law 2 x 3 rows
+    assert capture_bytes([1, 2], [1, 4], 4, 8, 30) == 28 * 30 * per_layer + (8 + 6) * 8 * 4 + 2 * ws
+    # a ceiling of 1 request: size 2 at width 1 only (3 steps, 1 verify graph) -> 21 graphs, law 1 x 3 rows
+    assert capture_bytes([1, 2], [1, 4], 4, 8, 30, max_batch_size=1) == 21 * 30 * per_layer + (8 + 3) * 8 * 4 + 2 * ws
     # a vocabulary too large for the sampled kinds: greedy only (12 graphs), no law
     big = (256 << 20) // 4 + 1
-    assert capture_bytes([1, 2], [1, 4], 4, big, 30) == 12 * 30 * per_layer + 8 * big * 4 + 6 * ws
+    assert capture_bytes([1, 2], [1, 4], 4, big, 30) == 12 * 30 * per_layer + 8 * big * 4 + 2 * ws
 
 
 def _graph_args(draft, **overrides):

@@ -37,6 +37,7 @@ EXPECTED_SIGNATURES = {
         "self", "batch", "forward_batch", "pp_proxy_tensors", "is_verify", "skip_attn_backend_init",
         "capture_hidden_mode"],
     "sglang.srt.managers.scheduler.Scheduler.is_disable_overlap_for_batch": ["self", "batch", "last_batch"],
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.capture": ["self"],
     "sglang.srt.managers.scheduler.Scheduler.get_internal_state": ["self", "recv_req"],
     "sglang.srt.session.session_controller.Session._concat_token_arrays": ["last_req", "req", "session_params"],
     "sglang.srt.session.streaming_session.StreamingSession._trim_overshoot": ["self", "req", "finished_len"],
@@ -129,6 +130,10 @@ def install() -> bool:
         "sglang.srt.managers.scheduler.Scheduler.is_disable_overlap_for_batch", _sync_for_history, HookType.AROUND
     )
     HookRegistry.register(
+        "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.capture",
+        _warm_up_without_decode_graphs, HookType.AROUND,
+    )
+    HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.get_internal_state", _report_verify_widths, HookType.AROUND
     )
     HookRegistry.register(
@@ -213,6 +218,18 @@ def _serving_dflash() -> bool:
 
     algo = get_spec().speculative_algorithm
     return str(getattr(algo, "name", algo) or "").upper() == "DFLASH" and selected_impl() == "sglang_dflash"
+
+
+def _warm_up_without_decode_graphs(original, runner):
+    """SGLang's decode-mode graphs of the DFLASH runners (the target's verify, the draft's) are never replayed: the
+    decode step calls the models itself (`step`, captured by `step_graphs`). Only the runner's one-time kernel
+    warm-up runs (workspaces, autotune); the runner keeps its batch sizes and attention graph state, which
+    `step_graphs` uses."""
+    if not _serving_dflash():
+        return original(runner)
+    runner.warmup()
+    logger.info("sglang-dflash: SGLang's %s decode graphs not captured (the DFLASH decode step does not replay them)",
+                "draft" if runner.model_runner.is_draft_worker else "target")
 
 
 def _sync_for_history(original, scheduler, batch, last_batch):

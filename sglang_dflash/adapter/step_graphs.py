@@ -21,7 +21,8 @@ Widths: every candidate verify width of the policy (`sglang_dflash.policy`) is c
 the one a batch at the policy's batch-size ceiling replays, width 1 alone above it (`planned_graphs`), so
 a narrower step replays a graph as well (an eager step would read the committed lengths on the host: a sync that
 stops the overlap schedule). The draft forward always runs the whole block, so a batch size's draft wrappers serve
-all its widths; the target's wrappers are per (size, width). Each owns an 8 MiB FlashInfer int workspace.
+all its widths; the target's wrappers are per (size, width). The wrappers of one forward share one 8 MiB FlashInfer
+int workspace (each replay writes its whole plan there first).
 
 Accept kinds (`sampling.step_accept_kind`): each (size, width) is captured greedy and, where the sampled step's
 vocabulary-sized float32 temporaries fit `SAMPLED_ROWS_BYTES` per tensor, also
@@ -95,7 +96,7 @@ def graph_count(planned) -> int:
 # graph's nodes and its share of the graphs' pool. From captures on an H100 (RESULTS, "Step capture at start-up"):
 # 0.12 MB per layer (SmolLM2, 30 layers, 1,653 graphs), 0.13 MB (the Qwen3-8B shape, 36 layers, 945); with a margin.
 GRAPH_BYTES_PER_TARGET_LAYER = 160 << 10
-INT_WORKSPACE_BYTES = 8 << 20  # FlashInfer's int workspace of a prefill wrapper
+INT_WORKSPACE_BYTES = 8 << 20  # FlashInfer's int workspace of a prefill wrapper; one per forward (`StepGraphs`)
 
 
 def law_rows(planned) -> int:
@@ -107,11 +108,9 @@ def capture_bytes(sizes: Sequence[int], widths: Sequence[int], block_size: int, 
                   num_target_layers: int, max_batch_size: int | None = None) -> int:
     """Estimated GPU memory (bytes) `StepGraphs` takes for these captures: each graph's own
     (`GRAPH_BYTES_PER_TARGET_LAYER`), the shared float32 logits ``[max(sizes) * block_size, V]`` and drafts' law,
-    and the wrappers' int workspaces (the target's per (size, width), the draft's per size that drafts)."""
+    and the two int workspaces."""
     planned = planned_graphs(sizes, widths, vocab_size, max_batch_size)
-    pairs = {(bs, w) for bs, w, _ in planned}
-    wrappers = len(pairs) + len({bs for bs, w in pairs if w > 1})
-    shared = (max(sizes) * block_size + law_rows(planned)) * vocab_size * 4 + wrappers * INT_WORKSPACE_BYTES
+    shared = (max(sizes) * block_size + law_rows(planned)) * vocab_size * 4 + 2 * INT_WORKSPACE_BYTES
     return graph_count(planned) * num_target_layers * GRAPH_BYTES_PER_TARGET_LAYER + shared
 
 
@@ -172,7 +171,9 @@ def capture(m: StepModels, runners: Sequence, backend: str, hybrid: bool, widths
 
 class DevicePlan:
     """Where the split-kv plan of one capture-mode FlashInfer prefill wrapper lives in its int workspace, and the
-    fixed quantities of its captured grid (from the capture-time plan); `write` runs `split_kv_plan` into it."""
+    fixed quantities of its captured grid (from the capture-time plan); `write` runs `split_kv_plan` into it and
+    sets the plan's row count, so the workspace holds nothing from the capture-time plan that a replay reads (the
+    graphs of one forward share one workspace: `StepGraphs.int_workspaces`)."""
 
     MIN_KV_CHUNK = 128  # FlashInfer's min_kv_chunk_size for page size 1
 
@@ -183,7 +184,8 @@ class DevicePlan:
         if len(info) != 15 or not info[13] or not info[14]:
             raise RuntimeError(f"sglang-dflash: unexpected FlashInfer prefill plan {info} (expected a CUDA-graph plan "
                                "with split kv, FlashInfer 0.6.15's layout); the step graph cannot plan on the device")
-        padded, _, _, cta_tile_q, req_off, qtile_off, kvtile_off, merge_off, o_off, chunk_off = info[:10]
+        padded, total_rows, total_rows_off, cta_tile_q, req_off, qtile_off, kvtile_off, merge_off, o_off, chunk_off = \
+            info[:10]
         valid_off = info[12]
         ws = wrapper._int_workspace_buffer
 
@@ -198,11 +200,13 @@ class DevicePlan:
                         kv_tile_indices=i32(kvtile_off, self.padded), o_indptr=i32(o_off, bs + 1),
                         merge_indptr=i32(merge_off, bs * block_size + 1), kv_chunk_size=i32(chunk_off, 1),
                         block_valid_mask=ws[valid_off : valid_off + self.padded])
+        self.total_rows, self.total_rows_at = int(total_rows), i32(total_rows_off, 1)
 
     def write(self, seq_lens: torch.Tensor) -> None:
         """seq_lens ``[bs]`` int64 committed lengths (kv length = seq_lens + block_size) on the device."""
         split_kv_plan(seq_lens, self.block_size, self.tiles_q, self.max_batch_size_if_split, self.padded,
                       self.MIN_KV_CHUNK, self.out, self.scratch)
+        self.total_rows_at.fill_(self.total_rows)
 
 
 class GraphPlan:
@@ -278,6 +282,9 @@ class StepGraphs:
         self.qo_indptr = {rows: torch.arange(0, (max_bs + 1) * rows, rows, dtype=torch.int32, device=dev)
                           for rows in {*self.widths, self.B}}
         self.plan_scratch = torch.zeros(3 * triton_next_power_of_2(max_bs), dtype=torch.int32, device=dev)
+        # one FlashInfer int workspace (8 MiB) per forward (draft, target) for all its graphs instead of one per
+        # (size, width): each replay writes its whole plan there first (`DevicePlan`), and the graphs run one at a time
+        self.int_workspaces: dict = {}  # backend -> (device workspace, pinned host workspace)
         self.captured: dict[tuple[int, int, str], _Captured] = {}
         self.first_s = 0.0  # seconds of the first capture (warm-ups that compile kernels included)
         self.warmup_s = self.record_s = 0.0  # seconds of all captures' eager warm-ups, and of their recording
@@ -367,6 +374,10 @@ class StepGraphs:
         """This size's own capture-mode wrappers of one forward (``rows`` query rows per request) and their
         device-side layouts and plans."""
         wrappers = _prepare_wrappers(backend, fb, bs)
+        for wr in wrappers:  # the forward's shared workspaces; the wrapper's own ones are freed
+            shared = self.int_workspaces.setdefault(
+                backend, (wr._int_workspace_buffer, wr._pin_memory_int_workspace_buffer))
+            wr._int_workspace_buffer, wr._pin_memory_int_workspace_buffer = shared
         be = backend.indices_updater_prefill
         return _Wrappers([(wr, rows, self.qo_indptr[rows]) for wr in wrappers],
                          [DevicePlan(wr, bs, rows, be.num_qo_heads, be.num_kv_heads, self.plan_scratch)
