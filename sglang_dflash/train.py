@@ -120,7 +120,7 @@ class TrainArgs:
     keep_checkpoints: int = 1  # newest checkpoints that keep their resumable state (older ones keep the drafter)
     log_every: int = 10
     init_from: Optional[str] = None  # continue from a saved drafter (same config) instead of a fresh init
-    # wall-clock budgets (None = unbounded). max_train_seconds sets the step count from the measured speed
+    # wall-clock budgets (None = unbounded). max_train_seconds sets the step count (at most `steps`) from the measured speed
     # (re-estimated at steps 15, 50, 150 and 400, timing from step 5, in a run that starts at step 0); the cosine
     # schedule follows the estimate and the log records the final count (steps_run), so --steps reproduces it.
     max_gen_seconds: Optional[float] = None
@@ -1132,7 +1132,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--log-every", type=int, default=d.log_every)
     p.add_argument("--max-gen-seconds", type=float, default=None, help="stop response generation after this")
     p.add_argument("--max-train-seconds", type=float, default=None,
-                   help="cap training time: the step count is fixed from the speed of steps 5..15")
+                   help="cap training time: the step count becomes the fewer of --steps and what fits at the "
+                        "speed measured from step 5 (re-estimated up to step 400); raise --steps to fill the time")
     a = p.parse_args(argv)
     for name in ("steps", "batch_size", "grad_accum", "block_size", "anchors_per_seq"):
         if getattr(a, name) < 1:
