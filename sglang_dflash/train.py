@@ -120,8 +120,8 @@ class TrainArgs:
     keep_checkpoints: int = 1  # newest checkpoints that keep their resumable state (older ones keep the drafter)
     log_every: int = 10
     init_from: Optional[str] = None  # continue from a saved drafter (same config) instead of a fresh init
-    # wall-clock budgets (None = unbounded). max_train_seconds sets the step count (at most `steps`) from the measured speed
-    # (re-estimated at steps 15, 50, 150 and 400, timing from step 5, in a run that starts at step 0); the cosine
+    # wall-clock budgets (None = unbounded). max_train_seconds sets the step count (at most `steps`) from the measured
+    # speed (re-estimated at steps 15, 50, 150 and 400, timing from step 5, in a run that starts at step 0); the cosine
     # schedule follows the estimate and the log records the final count (steps_run), so --steps reproduces it.
     max_gen_seconds: Optional[float] = None
     max_train_seconds: Optional[float] = None
