@@ -8,13 +8,13 @@ Many blocks per sequence are trained in one forward via a block-diagonal mask. T
 target's ``lm_head`` on the draft hidden states at block positions ``k = 1..B-1`` against the real tokens at
 ``anchor + k``, weighted by ``exp(-(k-1)/gamma)``.
 
-Scale: ``torchrun --nproc-per-node N -m sglang_dflash.train ...`` trains data-parallel (DDP over the draft; the
-frozen target is replicated on every rank). ``--batch-size`` is the global batch: each optimizer step takes
+Scale: ``torchrun --nproc-per-node N -m sglang_dflash.train ...`` trains data-parallel (DDP over the draft). ``--batch-size`` is the global batch: each optimizer step takes
 ``batch_size`` sequences, rank r trains its own contiguous slice of them in ``--grad-accum`` micro-batches, and the
 loss is normalised by the weight of the whole global batch, so N ranks follow the single-process trajectory (up to
 floating-point rounding). Response generation is sharded over the ranks too. Rank 0 alone writes checkpoints, logs
-and progress bars. The target must fit on one device (it is replicated, not sharded with FSDP); multi-node runs
-need ``--out`` and ``--cache`` on a shared filesystem. ``--resume`` continues from the newest
+and progress bars. The target is replicated on every rank, or with ``--shard-target`` its decoder layers are
+sharded over the ranks (FSDP2, `shard_target`) for a target that does not fit one device; multi-node runs need
+``--out`` and ``--cache`` on a shared filesystem. ``--resume`` continues from the newest
 ``OUT/checkpoint-<step>`` (weights, optimizer, schedule, data position, RNG states), so a run can be split into
 several shorter ones (``--stop-at-step``, ``--stop-after-seconds``, or SIGTERM/SIGINT: each stops after the
 current step with a checkpoint).
@@ -165,6 +165,55 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+def shard_target(target, device: torch.device) -> None:
+    """Shard the frozen ``target`` (a HF causal LM on the CPU) over the process group with FSDP2's ``fully_shard``,
+    one unit per decoder layer (``model.layers``): each rank keeps 1/world of every layer on ``device`` and
+    all-gathers a layer for its forward, so every rank must run the target's forwards in step (training does: the
+    same micro-batches per step). Embeddings, the final norm and ``lm_head`` stay whole on every rank (the block
+    embeddings and draft logits read them directly). The decoder stack is not wrapped: transformers finds the
+    layers whose outputs ``output_hidden_states`` records by the stack's class."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    stack = target.base_model
+    layers = getattr(stack, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise TrainError(f"--shard-target: {type(target).__name__} has no decoder layers at model.layers to shard; "
+                         "drop --shard-target (the target is then replicated on every rank)")
+    _require_ranks()
+    target.eval().requires_grad_(False)
+    in_layers = {id(t) for t in (*layers.parameters(), *layers.buffers())}
+    for module in target.modules():  # what stays whole goes to the device now; the layers go in fully_shard
+        for p in module.parameters(recurse=False):
+            if id(p) not in in_layers:
+                p.data = p.data.to(device)
+        for name, b in module.named_buffers(recurse=False):
+            if id(b) not in in_layers:
+                module._buffers[name] = b.to(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+
+    def reshard(module, args, output) -> None:
+        # each layer is its own FSDP root, and a root keeps its gathered weights after its forward: free them here
+        for layer in layers:
+            layer.reshard()
+
+    stack.register_forward_hook(reshard)
+
+
+def _require_ranks() -> None:
+    if _rank_world()[1] < 2:
+        raise TrainError("--shard-target shards the target over torchrun's processes: run it under "
+                         "torchrun --nproc-per-node N (N >= 2), or drop it")
+
+
+def _is_sharded(target) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in target.parameters())
+
+
 # ------------------------------------------------------------------------------------------- response cache
 
 def _prompt_key(text: str) -> str:
@@ -310,6 +359,14 @@ def generate_responses(
         if key not in done and key not in seen:
             seen.add(key)
             missing.append((key, text, sample))
+    if not server_url and max_seconds != 0 and _is_sharded(target):
+        short = sum(0 < len(tokenizer(text, add_special_tokens=False).input_ids) <= max_prompt_tokens
+                    for _, text, _ in missing)
+        if short:
+            raise TrainError(f"--shard-target: {short} prompts have no cached response, and a target sharded over "
+                             "the ranks cannot generate in-process (each rank's generation runs its own number of "
+                             "forwards); regenerate them through an SGLang server of the target "
+                             "(--response-server URL), or train on the cached ones only (--max-gen-seconds 0)")
     todo, token_ids = [], {}
     for key, text, sample in missing[rank::world]:
         if text not in token_ids:
@@ -1031,16 +1088,27 @@ def _save(draft: DFlashDraftModel, path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------- CLI
 
-def load_target(name_or_path: str, device: Optional[str] = None):
-    """(model, tokenizer) for ``name_or_path`` (``"smollm2"`` = the converted SmolLM2-135M-Instruct)."""
+def load_target(name_or_path: str, device: Optional[str] = None, shard: bool = False):
+    """(model, tokenizer) for ``name_or_path`` (``"smollm2"`` = the converted SmolLM2-135M-Instruct); ``shard``:
+    read on the CPU, then its layers sharded over the ranks onto ``device`` (`shard_target`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .assets import smollm2_path
 
+    if shard:
+        _require_ranks()  # before reading the weights
     path = str(smollm2_path()) if name_or_path == "smollm2" else name_or_path
+    if path.startswith(("/", ".", "~")) and not Path(path).expanduser().is_dir():
+        raise TrainError(f"--target {path}: no such directory; pass a Hugging Face model directory or hub id, or "
+                         "'smollm2'")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(Path(path).expanduser() if path.startswith("~") else path,
+                                                 dtype=dtype).eval()
+    if shard:
+        shard_target(model, torch.device(device))
+    else:
+        model = model.to(device)
     tok = AutoTokenizer.from_pretrained(path)
     tok.padding_side = "left"
     return model, tok
@@ -1131,6 +1199,10 @@ def main(argv: Optional[list[str]] = None) -> None:
                    help="stop this invocation after this much training time (checkpoint written)")
     p.add_argument("--log-every", type=int, default=d.log_every)
     p.add_argument("--max-gen-seconds", type=float, default=None, help="stop response generation after this")
+    p.add_argument("--shard-target", action="store_true",
+                   help="under torchrun: shard the frozen target's decoder layers over the ranks (FSDP2) instead of "
+                        "a whole copy per rank, for a target that does not fit one device; responses then come "
+                        "from --response-server or the cache")
     p.add_argument("--max-train-seconds", type=float, default=None,
                    help="cap training time: the step count becomes the fewer of --steps and what fits at the "
                         "speed measured from step 5 (re-estimated up to step 400); raise --steps to fill the time")
@@ -1163,10 +1235,10 @@ def main(argv: Optional[list[str]] = None) -> None:
 
         hf_logging.disable_progress_bar()  # one set of progress bars: rank 0's
     try:
-        target, tok = load_target(a.target, str(device))
         stop = threading.Event()
         with _stop_on_signals(stop) as received:
             try:
+                target, tok = load_target(a.target, str(device), shard=a.shard_target)
                 out = train(target, tok, a.prompts, a.out, args, cache_path=a.cache, log_path=a.log_json,
                             response_server=a.response_server, generate_only=a.generate_only, stop=stop)
             except (TrainError, DataError) as e:  # bad input: one line, no traceback

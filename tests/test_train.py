@@ -213,6 +213,18 @@ def test_cli_refuses_samples_at_temperature_zero(capsys):
     assert "--samples-per-prompt 3 at --gen-temperature 0.0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--target", "/no/such/model"], "sglang_dflash.train: --target /no/such/model: no such directory"),
+    (["--target", "smollm2", "--shard-target"], "sglang_dflash.train: --shard-target shards the target over "
+                                                "torchrun's processes"),
+])
+def test_cli_names_a_bad_target_or_a_shard_without_ranks(argv, message):
+    """One line naming the problem, before any weights are read (no torchrun here: one process)."""
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--out", "x"])
+    assert str(e.value).startswith(message)
+
+
 def test_training_is_deterministic(tiny_run, tmp_path):
     target, out, args = tiny_run
     short = TrainArgs(**{**args.__dict__, "steps": 4})

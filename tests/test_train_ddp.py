@@ -1,5 +1,6 @@
 """Scaled training on the CPU: two ``torchrun`` processes (gloo) follow one process over the same global batch,
-and a run split by stops and ``--resume`` continues the exact schedule of an uninterrupted one.
+with the target replicated or sharded over them, and a run split by stops and ``--resume`` continues the exact
+schedule of an uninterrupted one.
 
 Run as a script (``python -m torch.distributed.run ... tests/test_train_ddp.py OUT ARGS_JSON``) this file is the
 torchrun worker: each rank builds the same tiny target and calls ``train``.
@@ -7,6 +8,7 @@ torchrun worker: each rank builds the same tiny target and calls ``train``.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -16,7 +18,8 @@ import torch
 
 from conftest import make_tiny_target
 from sglang_dflash.model import load_draft
-from sglang_dflash.train import TrainArgs, TrainError, cache_part_path, init_distributed, latest_checkpoint, train
+from sglang_dflash.train import (TrainArgs, TrainError, cache_part_path, init_distributed, latest_checkpoint,
+                                 shard_target, train)
 from test_train import PROMPTS, CharTokenizer
 
 ARGS = dict(block_size=8, num_draft_layers=2, steps=6, batch_size=8, anchors_per_seq=8, lr=3e-3, max_new_tokens=32,
@@ -85,6 +88,29 @@ def test_two_processes_follow_one_process(tmp_path):
         torch.testing.assert_close(w2.float(), w1.float(), rtol=2 ** -7, atol=1e-6, msg=name)
 
 
+def test_sharded_target_follows_one_process(tmp_path):
+    """--shard-target: two ranks that each hold half of every target layer (FSDP2, all-gathered per forward) train
+    as one process with the whole target does. The worker also checks the shards' sizes and that a sharded target
+    refuses to generate in-process (each rank would run its own number of forwards)."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    train(_target(), CharTokenizer(), PROMPTS, one, TrainArgs(**ARGS), progress=False)
+    two.mkdir()
+    shutil.copy(one / "responses.jsonl", two / "responses.jsonl")
+    _torchrun(two, shard_target=True)
+    h1, h2 = _history(one), _history(two)
+    assert [h["step"] for h in h2] == [h["step"] for h in h1] == list(range(1, 7))
+    for a, b in zip(h1, h2):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a, b)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), (a, b)
+    for (name, w1), w2 in zip(load_draft(one).state_dict().items(), load_draft(two).state_dict().values()):
+        torch.testing.assert_close(w2.float(), w1.float(), rtol=2 ** -7, atol=1e-6, msg=name)
+
+
+def test_shard_target_needs_a_process_group():
+    with pytest.raises(TrainError, match="torchrun --nproc-per-node N"):
+        shard_target(_target(), torch.device("cpu"))
+
+
 def test_resume_continues_the_exact_schedule(tmp_path):
     target, tok = _target(), CharTokenizer()
     full, split = tmp_path / "full", tmp_path / "split"
@@ -127,6 +153,24 @@ def test_batch_must_split_over_micro_batches(tmp_path):
 if __name__ == "__main__":  # torchrun worker
     import torch.distributed as dist
 
+    from torch.distributed.tensor import DTensor
+
     init_distributed("cpu")
-    train(_target(), CharTokenizer(), PROMPTS, sys.argv[1], TrainArgs(**json.loads(sys.argv[2])), progress=False)
+    args = json.loads(sys.argv[2])
+    target = _target()
+    if args.pop("shard_target", False):
+        full = target.base_model.layers[0].mlp.up_proj.weight.shape
+        shard_target(target, torch.device("cpu"))
+        w = target.base_model.layers[0].mlp.up_proj.weight
+        assert isinstance(w, DTensor) and w.to_local().shape == (full[0] // 2, full[1]), (full, w.to_local().shape)
+        assert not isinstance(target.get_input_embeddings().weight, DTensor)
+        with torch.no_grad():  # the gathered weights are given back after a forward
+            target.base_model(input_ids=torch.tensor([[1, 2, 3]]))
+        assert isinstance(target.base_model.layers[0].mlp.up_proj.weight, DTensor)
+        try:
+            train(target, CharTokenizer(), PROMPTS, sys.argv[1] + "-uncached", TrainArgs(**args), progress=False)
+            raise AssertionError("a sharded target generated in-process")
+        except TrainError as e:
+            assert "no cached response" in str(e) and "--response-server" in str(e), e
+    train(target, CharTokenizer(), PROMPTS, sys.argv[1], TrainArgs(**args), progress=False)
     dist.destroy_process_group()
