@@ -8,16 +8,16 @@ Many blocks per sequence are trained in one forward via a block-diagonal mask. T
 target's ``lm_head`` on the draft hidden states at block positions ``k = 1..B-1`` against the real tokens at
 ``anchor + k``, weighted by ``exp(-(k-1)/gamma)``.
 
-Scale: ``torchrun --nproc-per-node N -m sglang_dflash.train ...`` trains data-parallel (DDP over the draft). ``--batch-size`` is the global batch: each optimizer step takes
-``batch_size`` sequences, rank r trains its own contiguous slice of them in ``--grad-accum`` micro-batches, and the
-loss is normalised by the weight of the whole global batch, so N ranks follow the single-process trajectory (up to
-floating-point rounding). Response generation is sharded over the ranks too. Rank 0 alone writes checkpoints, logs
-and progress bars. The target is replicated on every rank, or with ``--shard-target`` its decoder layers are
-sharded over the ranks (FSDP2, `shard_target`) for a target that does not fit one device; multi-node runs need
-``--out`` and ``--cache`` on a shared filesystem. ``--resume`` continues from the newest
-``OUT/checkpoint-<step>`` (weights, optimizer, schedule, data position, RNG states), so a run can be split into
-several shorter ones (``--stop-at-step``, ``--stop-after-seconds``, or SIGTERM/SIGINT: each stops after the
-current step with a checkpoint).
+Scale: ``torchrun --nproc-per-node N -m sglang_dflash.train ...`` trains data-parallel (DDP over the draft).
+``--batch-size`` is the global batch: each optimizer step takes ``batch_size`` sequences, rank r trains its own
+contiguous slice of them in ``--grad-accum`` micro-batches, and the loss is normalised by the weight of the whole
+global batch, so N ranks follow the single-process trajectory (up to floating-point rounding). Response generation
+is sharded over the ranks too. Rank 0 alone writes checkpoints, logs and progress bars. The target is replicated on
+every rank, or with ``--shard-target`` its decoder layers are sharded over the ranks (FSDP2, `shard_target`) for a
+target that does not fit one device; multi-node runs need ``--out`` and ``--cache`` on a shared filesystem.
+``--resume`` continues from the newest ``OUT/checkpoint-<step>`` (weights, optimizer, schedule, data position, RNG
+states), so a run can be split into several shorter ones (``--stop-at-step``, ``--stop-after-seconds``, or
+SIGTERM/SIGINT: each stops after the current step with a checkpoint).
 
 CLI::
 
