@@ -96,6 +96,16 @@ def _randomize(model: torch.nn.Module, seed: int, init_std: float) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * init_std)
 
 
+def _save_random(model_cls, cfg, out_dir: Path, seed: int, init_std: float) -> Path:
+    """``model_cls(cfg)`` in float32 with `_randomize`d matrices, saved to ``out_dir`` (safetensors)."""
+    torch.manual_seed(seed)
+    model = model_cls(cfg).to(torch.float32)
+    _randomize(model, seed, init_std)
+    model.config.torch_dtype = "float32"
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
 def _layer_types(num_hidden_layers: int, full_attention_interval: int, other: str) -> list[str]:
     """``full_attention`` every ``full_attention_interval``-th layer (1-based), ``other`` elsewhere."""
     if num_hidden_layers % full_attention_interval:
@@ -157,12 +167,7 @@ def make_tiny_qwen3_5(
     )
     cfg.full_attention_interval = full_attention_interval
     cfg.architectures = [model_cls.__name__]
-    torch.manual_seed(seed)
-    model = model_cls(cfg).to(torch.float32)
-    _randomize(model, seed, init_std)
-    model.config.torch_dtype = "float32"
-    model.save_pretrained(out_dir, safe_serialization=True)
-    return out_dir
+    return _save_random(model_cls, cfg, out_dir, seed, init_std)
 
 
 def make_tiny_gemma4(
@@ -208,12 +213,7 @@ def make_tiny_gemma4(
     )
     cfg.swa_num_key_value_heads, cfg.swa_head_dim = num_key_value_heads, head_dim
     cfg.architectures = ["Gemma4ForCausalLM"]
-    torch.manual_seed(seed)
-    model = Gemma4ForCausalLM(cfg).to(torch.float32)
-    _randomize(model, seed, init_std)
-    model.config.torch_dtype = "float32"
-    model.save_pretrained(out_dir, safe_serialization=True)
-    return out_dir
+    return _save_random(Gemma4ForCausalLM, cfg, out_dir, seed, init_std)
 
 
 def make_tiny_deepseek_v2(
@@ -258,9 +258,4 @@ def make_tiny_deepseek_v2(
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
     )
     cfg.architectures = ["DeepseekV2ForCausalLM"]
-    torch.manual_seed(seed)
-    model = DeepseekV2ForCausalLM(cfg).to(torch.float32)
-    _randomize(model, seed, init_std)
-    model.config.torch_dtype = "float32"
-    model.save_pretrained(out_dir, safe_serialization=True)
-    return out_dir
+    return _save_random(DeepseekV2ForCausalLM, cfg, out_dir, seed, init_std)
