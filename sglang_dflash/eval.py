@@ -149,7 +149,7 @@ def plot(rows: list[dict], path: str | os.PathLike, title: str = "DFlash accepta
 def main(argv: Optional[list[str]] = None) -> None:
     from .assets import bundled_drafter_path
     from .model import load_draft
-    from .train import load_target
+    from .train import TrainError, load_target
 
     p = argparse.ArgumentParser(description="Measure DFlash acceptance length (tau) per dataset.")
     p.add_argument("--target", required=True, help="HF model dir/id, or 'smollm2'")
@@ -166,7 +166,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--out", default=None, help="results JSON")
     p.add_argument("--plot", default=None, help="bar chart PNG")
     a = p.parse_args(argv)
-    target, tok = load_target(a.target, a.device)
+    try:
+        target, tok = load_target(a.target, a.device)
+    except TrainError as e:  # a missing target directory: one line, no traceback
+        raise SystemExit(f"sglang_dflash.eval: {e}") from None
     draft_path = bundled_drafter_path() if a.draft == "bundled" else Path(a.draft)
     draft = load_draft(draft_path, device=target.device, dtype=target.dtype)
     datasets = [d for d in a.datasets.split(",") if d]

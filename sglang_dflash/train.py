@@ -359,21 +359,23 @@ def generate_responses(
         if key not in done and key not in seen:
             seen.add(key)
             missing.append((key, text, sample))
+    token_ids: dict[str, list[int]] = {}
+
+    def generable(text: str) -> Optional[list[int]]:
+        """The prompt's token ids, or None when it is empty or longer than ``max_prompt_tokens`` (skipped)."""
+        if text not in token_ids:
+            token_ids[text] = tokenizer(text, add_special_tokens=False).input_ids
+        ids = token_ids[text]
+        return ids if 0 < len(ids) <= max_prompt_tokens else None
+
     if not server_url and max_seconds != 0 and _is_sharded(target):
-        short = sum(0 < len(tokenizer(text, add_special_tokens=False).input_ids) <= max_prompt_tokens
-                    for _, text, _ in missing)
+        short = sum(generable(text) is not None for _, text, _ in missing)
         if short:
             raise TrainError(f"--shard-target: {short} prompts have no cached response, and a target sharded over "
                              "the ranks cannot generate in-process (each rank's generation runs its own number of "
                              "forwards); regenerate them through an SGLang server of the target "
                              "(--response-server URL), or train on the cached ones only (--max-gen-seconds 0)")
-    todo, token_ids = [], {}
-    for key, text, sample in missing[rank::world]:
-        if text not in token_ids:
-            token_ids[text] = tokenizer(text, add_special_tokens=False).input_ids
-        ids = token_ids[text]
-        if 0 < len(ids) <= max_prompt_tokens:
-            todo.append((key, ids, sample))
+    todo = [(key, ids, sample) for key, text, sample in missing[rank::world] if (ids := generable(text)) is not None]
     group = 4 * batch_size
     todo = [t for g in range(0, len(todo), group) for t in sorted(todo[g:g + group], key=lambda t: len(t[1]))]
     eos = _eos_ids(target, tokenizer)
@@ -1097,14 +1099,13 @@ def load_target(name_or_path: str, device: Optional[str] = None, shard: bool = F
 
     if shard:
         _require_ranks()  # before reading the weights
-    path = str(smollm2_path()) if name_or_path == "smollm2" else name_or_path
-    if path.startswith(("/", ".", "~")) and not Path(path).expanduser().is_dir():
+    path = str(smollm2_path()) if name_or_path == "smollm2" else os.path.expanduser(name_or_path)
+    if path.startswith(("/", ".")) and not os.path.isdir(path):
         raise TrainError(f"--target {path}: no such directory; pass a Hugging Face model directory or hub id, or "
                          "'smollm2'")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(Path(path).expanduser() if path.startswith("~") else path,
-                                                 dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     if shard:
         shard_target(model, torch.device(device))
     else:

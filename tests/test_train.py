@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import random
 
 import pytest
@@ -215,6 +216,8 @@ def test_cli_refuses_samples_at_temperature_zero(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--target", "/no/such/model"], "sglang_dflash.train: --target /no/such/model: no such directory"),
+    (["--target", "~/no/such/model"],
+     f"sglang_dflash.train: --target {os.path.expanduser('~')}/no/such/model: no such directory"),
     (["--target", "smollm2", "--shard-target"], "sglang_dflash.train: --shard-target shards the target over "
                                                 "torchrun's processes"),
 ])
@@ -223,6 +226,14 @@ def test_cli_names_a_bad_target_or_a_shard_without_ranks(argv, message):
     with pytest.raises(SystemExit) as e:
         main([*argv, "--out", "x"])
     assert str(e.value).startswith(message)
+
+
+def test_eval_cli_names_a_missing_target():
+    from sglang_dflash import eval as dflash_eval
+
+    with pytest.raises(SystemExit) as e:
+        dflash_eval.main(["--target", "/no/such/model", "--draft", "bundled"])
+    assert str(e.value).startswith("sglang_dflash.eval: --target /no/such/model: no such directory")
 
 
 def test_training_is_deterministic(tiny_run, tmp_path):
