@@ -15,6 +15,12 @@ device, inside the step's CUDA graph:
   ``bs * block_size + 1`` row boundaries (row ``t`` of request ``i`` merges ``n_i`` partials).
 
 The capture-time plan fixes everything else (grid size, ``cta_tile_q``, workspace offsets, total rows).
+
+The same kernel writes FlashInfer's *decode* plan (``DecodePlan``, CUDA-graph mode, CUDA-core decode kernel) for one
+new token per request (`decode_plan`): one query row and one q tile per request, and the captured grid
+``max_grid_size // num_kv_heads`` as the item budget (FlashInfer splits while ``items * num_kv_heads >
+max_grid_size``); where FlashInfer planned no split (``bs * num_kv_heads >= max_grid_size``) a chunk no kv length
+reaches gives its one item per request.
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ import triton.language as tl
 
 from sglang_dflash.kernels import use_triton
 
-__all__ = ["split_kv_plan_ref", "split_kv_plan"]
+__all__ = ["split_kv_plan_ref", "split_kv_plan", "decode_plan_ref", "decode_plan"]
+
+NO_SPLIT_CHUNK = 1 << 30  # a kv chunk no request reaches: one work item per request
 
 
 def _ceil_div(a, b):
@@ -170,3 +178,53 @@ def split_kv_plan(seq_lens: torch.Tensor, block_size: int, tiles_q: int, max_bat
         out["merge_indptr"], out["block_valid_mask"], out["kv_chunk_size"], bs, padded_batch_size,
         max_batch_size_if_split, min_kv_chunk, BLOCK_SIZE=block_size, TILES_Q=tiles_q, BS_P2=bs_p2,
         LOG2_BS=bs_p2.bit_length() + 1, ITEMS_BLOCK=128, ROWS_BLOCK=1024, num_warps=4)
+
+
+def decode_plan_ref(seq_lens: torch.Tensor, max_grid_size: int, num_kv_heads: int, split_kv: bool,
+                    min_kv_chunk: int) -> dict[str, torch.Tensor]:
+    """Pure-torch specification of FlashInfer's decode plan (``DecodePlan`` with ``enable_cuda_graph``, page size 1;
+    ``PartitionPagedKVCacheBinarySearchMinNumPagePerBatch`` and ``DecodeSplitKVIndptr`` in
+    ``attention/scheduler.cuh``) for one new token per request.
+
+    Args:
+        seq_lens: ``[bs]`` int64 committed tokens per request (kv length = seq_lens + 1).
+        max_grid_size: the decode kernel's CTAs resident at once (blocks per SM x SMs).
+        num_kv_heads: the grid's second dimension.
+        split_kv: FlashInfer's choice at capture (``bs * num_kv_heads < max_grid_size``).
+        min_kv_chunk: smallest kv chunk (``128 // page_size``).
+
+    Returns int32 tensors request_indices, kv_tile_indices ``[padded]`` (0 past the last item), o_indptr ``[bs + 1]``,
+    kv_chunk_size ``[1]`` and uint8 block_valid_mask ``[padded]``, where padded = ``max_grid_size // num_kv_heads``
+    with split kv, else bs (one item per request; kv_chunk_size and block_valid_mask are then not read).
+    """
+    kv = [max(int(s) + 1, 1) for s in seq_lens.tolist()]
+    if split_kv:
+        padded, low, high = max_grid_size // num_kv_heads, min_kv_chunk, max(kv + [1])
+        while low < high:
+            mid = (low + high) // 2
+            if sum(_ceil_div(k, mid) for k in kv) * num_kv_heads > max_grid_size:
+                low = mid + 1
+            else:
+                high = mid
+    else:
+        padded, low = len(kv), NO_SPLIT_CHUNK
+    chunks = [_ceil_div(k, low) for k in kv]
+    items = [(i, c) for i, n in enumerate(chunks) for c in range(n)]
+    if len(items) > padded:
+        raise ValueError(f"{len(items)} work items exceed the captured grid of {padded}")
+    pad = [(0, 0)] * (padded - len(items))
+    req, kt = (torch.tensor([it[j] for it in items + pad], dtype=torch.int32) for j in range(2))
+    return dict(request_indices=req, kv_tile_indices=kt,
+                o_indptr=torch.tensor([0] + chunks, dtype=torch.int64).cumsum(0).to(torch.int32),
+                kv_chunk_size=torch.tensor([low], dtype=torch.int32),
+                block_valid_mask=(torch.arange(padded) < len(items)).to(torch.uint8))
+
+
+def decode_plan(seq_lens: torch.Tensor, padded_batch_size: int, split_kv: bool, min_kv_chunk: int,
+                out: dict[str, torch.Tensor], scratch: torch.Tensor) -> None:
+    """Write the plan of :func:`decode_plan_ref` (grid ``padded_batch_size``) into ``out`` in one launch, without a
+    host sync: `split_kv_plan`'s kernel with one query row and one q tile per request. ``out`` holds
+    `split_kv_plan`'s keys: decode_plan_ref's five, plus qo_tile_indices ``[padded_batch_size]`` and merge_indptr
+    ``[bs + 1]`` that the decode kernel does not read."""
+    split_kv_plan(seq_lens, 1, 1, padded_batch_size, padded_batch_size, min_kv_chunk if split_kv else NO_SPLIT_CHUNK,
+                  out, scratch)

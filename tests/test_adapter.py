@@ -1246,19 +1246,19 @@ def test_step_graphs_planned_cover_every_width_the_policy_can_choose_and_no_more
 
 def test_step_graph_memory_estimate_counts_each_graph_and_the_shared_buffers():
     """`capture_bytes`, hand-counted: each graph's own memory (per target layer), the shared float32 logits of the
-    largest size x block, the drafts' law (the most bs * (w - 1) rows), and two 8 MiB int workspaces (one per
-    forward, whatever the number of wrappers)."""
+    largest size x block, the drafts' law (the most bs * (w - 1) rows), and three 8 MiB int workspaces (one per
+    forward: draft, target verify, target decode; whatever the number of wrappers)."""
     from sglang_dflash.adapter.step_graphs import GRAPH_BYTES_PER_TARGET_LAYER as per_layer, capture_bytes
 
     ws = 8 << 20
     # sizes 1, 2 x widths 1, 4 x three accept kinds (vocabulary 8: every kind fits): 12 steps, a draft and an accept
     # graph each, and 4 verify graphs; logits 2 x 4 rows, law 2 x 3 rows
-    assert capture_bytes([1, 2], [1, 4], 4, 8, 30) == 28 * 30 * per_layer + (8 + 6) * 8 * 4 + 2 * ws
+    assert capture_bytes([1, 2], [1, 4], 4, 8, 30) == 28 * 30 * per_layer + (8 + 6) * 8 * 4 + 3 * ws
     # a ceiling of 1 request: size 2 at width 1 only (3 steps, 1 verify graph) -> 21 graphs, law 1 x 3 rows
-    assert capture_bytes([1, 2], [1, 4], 4, 8, 30, max_batch_size=1) == 21 * 30 * per_layer + (8 + 3) * 8 * 4 + 2 * ws
+    assert capture_bytes([1, 2], [1, 4], 4, 8, 30, max_batch_size=1) == 21 * 30 * per_layer + (8 + 3) * 8 * 4 + 3 * ws
     # a vocabulary too large for the sampled kinds: greedy only (12 graphs), no law
     big = (256 << 20) // 4 + 1
-    assert capture_bytes([1, 2], [1, 4], 4, big, 30) == 12 * 30 * per_layer + 8 * big * 4 + 2 * ws
+    assert capture_bytes([1, 2], [1, 4], 4, big, 30) == 12 * 30 * per_layer + 8 * big * 4 + 3 * ws
 
 
 def _graph_args(draft, **overrides):

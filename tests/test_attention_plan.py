@@ -1,6 +1,7 @@
-"""The device-side split-kv plan (`kernels.attention_plan`): the Triton kernel vs the ref on CPU
-(``TRITON_INTERPRET=1``, one subprocess), the ref on a hand-built case and, on a GPU, against FlashInfer's own
-host plan (the int workspace it writes) and as the plan of a captured attention graph replayed at new kv lengths.
+"""The device-side split-kv plans (`kernels.attention_plan`), of FlashInfer's prefill wrapper and of its decode
+wrapper: the Triton kernel vs the refs on CPU (``TRITON_INTERPRET=1``, one subprocess), the refs on hand-built cases
+and, on a GPU, against FlashInfer's own host plan (the int workspace it writes) and as the plan of a captured attention
+graph replayed at new kv lengths.
 """
 
 import os
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from conftest import interpreted_results
-from sglang_dflash.kernels.attention_plan import split_kv_plan, split_kv_plan_ref
+from sglang_dflash.kernels.attention_plan import decode_plan, decode_plan_ref, split_kv_plan, split_kv_plan_ref
 
 KEYS = ("request_indices", "qo_tile_indices", "kv_tile_indices", "o_indptr", "merge_indptr", "kv_chunk_size",
         "block_valid_mask")
@@ -27,6 +28,20 @@ def _cases():
         padded = max(budget, tiles_q * bs) + rng.choice([0, 3])
         lens = [rng.choice([0, 1, 5, 100, 112, 113, 127, 128, 1000, 5000, rng.randint(0, 40_000)]) for _ in range(bs)]
         yield case, bs, block, tiles_q, budget, padded, lens
+
+
+def _decode_cases():
+    rng = random.Random(1)
+    for case in range(40):
+        bs = rng.choice([1, 2, 3, 5, 7, 16, 33, 64, 100])
+        kv_heads = rng.choice([1, 3, 8])
+        max_grid = rng.choice([1056, 264, 50, 7, 3 * bs])
+        lens = [rng.choice([0, 1, 5, 126, 127, 128, 1000, 5000, rng.randint(0, 40_000)]) for _ in range(bs)]
+        yield case, bs, kv_heads, max_grid, bs * kv_heads < max_grid, lens
+
+
+def _decode_padded(bs, kv_heads, max_grid, split):
+    return max_grid // kv_heads if split else bs
 
 
 def _out(bs, block, padded):
@@ -51,6 +66,11 @@ def _worker(out_path):
         scratch = torch.full((3 * 128,), -5, dtype=torch.int32)
         ap.split_kv_plan(torch.tensor(lens), block, tiles_q, budget, padded, 128, out, scratch)
         results[case] = out
+    for case, bs, kv_heads, max_grid, split, lens in _decode_cases():
+        out = _out(bs, 1, _decode_padded(bs, kv_heads, max_grid, split))
+        scratch = torch.full((3 * 128,), -5, dtype=torch.int32)
+        ap.decode_plan(torch.tensor(lens), _decode_padded(bs, kv_heads, max_grid, split), split, 128, out, scratch)
+        results["decode", case] = out
     torch.save(results, out_path)
 
 
@@ -65,6 +85,32 @@ def test_kernel_matches_ref(triton_results, case, bs, block, tiles_q, budget, pa
     got = triton_results[case]
     for key in KEYS:
         assert torch.equal(got[key], want[key]), f"{key}: {got[key].tolist()} != {want[key].tolist()}"
+
+
+DECODE_KEYS = ("request_indices", "kv_tile_indices", "o_indptr", "kv_chunk_size", "block_valid_mask")
+
+
+@pytest.mark.parametrize("case, bs, kv_heads, max_grid, split, lens", list(_decode_cases()))
+def test_decode_kernel_matches_ref(triton_results, case, bs, kv_heads, max_grid, split, lens):
+    want = decode_plan_ref(torch.tensor(lens), max_grid, kv_heads, split, 128)
+    got = triton_results["decode", case]
+    for key in DECODE_KEYS if split else DECODE_KEYS[:3]:  # without split the chunk and the mask are not read
+        assert torch.equal(got[key], want[key]), f"{key}: {got[key].tolist()} != {want[key].tolist()}"
+
+
+def test_decode_ref_hand_built():
+    """kv lengths 301, 2, 130; 12 CTAs over 3 kv heads (a grid of 4 items): chunks of 128 would make 3 + 1 + 2 items,
+    150 still 3 + 1 + 1, 151 is the smallest with 2 + 1 + 1. Without split (2 requests x 8 heads fill a grid of 16):
+    one item per request."""
+    got = decode_plan_ref(torch.tensor([300, 1, 129]), 12, 3, True, 128)
+    assert got["kv_chunk_size"].tolist() == [151]
+    assert got["request_indices"].tolist() == [0, 0, 1, 2]
+    assert got["kv_tile_indices"].tolist() == [0, 1, 0, 0]
+    assert got["o_indptr"].tolist() == [0, 2, 3, 4]
+    assert got["block_valid_mask"].tolist() == [1, 1, 1, 1]
+    got = decode_plan_ref(torch.tensor([300, 1]), 16, 8, False, 128)
+    assert got["request_indices"].tolist() == [0, 1] and got["kv_tile_indices"].tolist() == [0, 0]
+    assert got["o_indptr"].tolist() == [0, 1, 2]
 
 
 def test_ref_hand_built():
@@ -197,6 +243,104 @@ def test_device_plan_equals_flashinfer_host_plan_and_serves_a_captured_graph(bs,
         for key in KEYS:
             n = new_items if key in ("request_indices", "qo_tile_indices", "kv_tile_indices") else None
             assert torch.equal(views[key].cpu()[:n], ref[key][:n]), f"device plan bs={bs} lens={lens} {key}"
+        assert torch.equal(out, expected), f"bs={bs} lens={lens}: max diff {(out - expected).abs().max()}"
+
+
+def _decode_wrapper(bs, max_tokens):
+    import flashinfer
+
+    dev = torch.device("cuda")
+    return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(256 << 20, dtype=torch.uint8, device=dev), "NHD", use_cuda_graph=True, use_tensor_cores=False,
+        paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=dev),
+        paged_kv_indices_buffer=torch.zeros(max_tokens, dtype=torch.int32, device=dev),
+        paged_kv_last_page_len_buffer=torch.ones(bs, dtype=torch.int32, device=dev))
+
+
+def _decode_host_plan(wrapper, lens, heads, kv_heads, head_dim, slots):
+    """FlashInfer's own decode plan (host) for committed lengths ``lens`` (kv length + 1); returns kv_indptr."""
+    dev = torch.device("cuda")
+    kv_indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    kv_indptr[1:] = (torch.tensor(lens, dtype=torch.int32) + 1).cumsum(0)
+    wrapper.plan(kv_indptr.to(dev), slots[: int(kv_indptr[-1])], torch.ones(len(lens), dtype=torch.int32, device=dev),
+                 heads, kv_heads, head_dim, 1, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    return kv_indptr
+
+
+def _decode_workspace_views(wrapper, bs):
+    info = [int(x) for x in wrapper._plan_info]
+    ws = wrapper._int_workspace_buffer
+
+    def i32(off, n):
+        return ws[off : off + 4 * n].view(torch.int32)
+
+    padded = info[0]
+    views = dict(request_indices=i32(info[3], padded), kv_tile_indices=i32(info[4], padded),
+                 o_indptr=i32(info[5], bs + 1), kv_chunk_size=i32(info[7], 1))
+    if info[9]:
+        views["block_valid_mask"] = ws[info[6] : info[6] + padded]
+    return views
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashInfer's plan needs a GPU")
+@pytest.mark.parametrize("bs", [1, 3, 16, 64, 256])
+def test_device_decode_plan_equals_flashinfer_host_plan_and_serves_a_captured_graph(bs):
+    heads, kv_heads, head_dim = 9, 3, 64  # SmolLM2's heads: a GQA group of 3, SGLang's CUDA-core decode
+    dev = torch.device("cuda")
+    max_tokens = bs * 6001
+    slots = torch.randperm(max_tokens + 1000, device=dev)[:max_tokens].to(torch.int32)
+    k_cache = torch.randn(max_tokens + 1000, 1, kv_heads, head_dim, dtype=torch.bfloat16, device=dev)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(bs, heads, head_dim, dtype=torch.bfloat16, device=dev)
+
+    graph_wrapper = _decode_wrapper(bs, max_tokens)
+    _decode_host_plan(graph_wrapper, [1] * bs, heads, kv_heads, head_dim, slots)  # the capture-time plan
+    info = [int(x) for x in graph_wrapper._plan_info]
+    assert info[8] == 1  # CUDA-graph mode
+    padded, split = info[0], bool(info[9])
+    views = _decode_workspace_views(graph_wrapper, bs)
+    out_views = dict(views, qo_tile_indices=torch.zeros(padded, dtype=torch.int32, device=dev),
+                     merge_indptr=torch.zeros(bs + 1, dtype=torch.int32, device=dev))
+    if not split:
+        out_views["block_valid_mask"] = torch.zeros(padded, dtype=torch.uint8, device=dev)
+    seq_lens = torch.ones(bs, dtype=torch.int64, device=dev)
+    scratch = torch.zeros(3 * 256, dtype=torch.int32, device=dev)
+    kv_indptr_dev = graph_wrapper._paged_kv_indptr_buf
+    out = torch.empty_like(q)
+
+    def body():
+        decode_plan(seq_lens, padded, split, 128, out_views, scratch)
+        graph_wrapper.run(q, (k_cache, v_cache), out=out)
+
+    body()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+
+    host_wrapper = _decode_wrapper(bs, max_tokens)
+    keys = DECODE_KEYS if split else DECODE_KEYS[:3]
+    rng = random.Random(bs)
+    for trial in range(6):
+        lens = [rng.choice([0, 3, 127, 300, 1000, 5999, rng.randint(0, 5999)]) for _ in range(bs)]
+        kv_indptr = _decode_host_plan(host_wrapper, lens, heads, kv_heads, head_dim, slots)
+        torch.cuda.synchronize()
+        want = _decode_workspace_views(host_wrapper, bs)
+        assert [int(x) for x in host_wrapper._plan_info][0] == padded  # same grid as the capture
+        ref = decode_plan_ref(torch.tensor(lens), padded * kv_heads, kv_heads, split, 128)
+        n = int(ref["o_indptr"][-1])  # work items (stale entries past them aside)
+        for key in keys:  # the ref is FlashInfer's rule
+            m = n if key in ("request_indices", "kv_tile_indices") else None
+            assert torch.equal(want[key].cpu()[:m], ref[key][:m]), f"bs={bs} lens={lens} {key}"
+        expected = host_wrapper.run(q, (k_cache, v_cache))
+
+        seq_lens.copy_(torch.tensor(lens))
+        kv_indptr_dev.copy_(kv_indptr)
+        graph_wrapper._paged_kv_indices_buf[: int(kv_indptr[-1])].copy_(slots[: int(kv_indptr[-1])])
+        graph.replay()
+        torch.cuda.synchronize()
+        for key in keys:
+            m = n if key in ("request_indices", "kv_tile_indices") else None
+            assert torch.equal(views[key].cpu()[:m], ref[key][:m]), f"device plan bs={bs} lens={lens} {key}"
         assert torch.equal(out, expected), f"bs={bs} lens={lens}: max diff {(out - expected).abs().max()}"
 
 

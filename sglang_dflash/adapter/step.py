@@ -17,7 +17,9 @@ Both forwards are TARGET_VERIFY-shaped batches at the request's reserved KV slot
 same token slots: the draft's block is ``[bonus, MASK x (B-1)]`` at positions ``seq_len + arange(B)``; the target
 verifies the first ``w`` of them, ``[bonus, d_1 .. d_{w-1}]``, where ``w`` is the step's verify width
 (`StepBatch.width`, `sglang_dflash.policy`; B unless chosen otherwise). Width 1 is a plain decode step: no draft
-forward, the target decodes the bonus token and the draft's context K/V for it is still written.
+forward, the target decodes the bonus token and the draft's context K/V for it is still written; where the step graphs
+plan FlashInfer's decode wrapper on the device (`step_graphs.decode_kernel`) that forward is a DECODE batch, on the
+decode kernel SGLang's own decode step runs (`StepBatch` ``decode_kernel``).
 
 The accept is the step's own in two cases: greedy (the target's argmax), and sampling under the requests'
 temperature / top-k / top-p / min-p (`sampling.StepSampling`): each draft d_k is drawn from the draft's law q_k
@@ -103,7 +105,8 @@ class StepBatch:
     Inputs: ``bonus`` ``[bs]``, ``seq_lens`` ``[bs]`` int64 committed lengths, ``req_pool_indices`` ``[bs]`` int64 and,
     for padded captures, ``valid`` ``[bs]`` bool (False rows write their KV to the padding slot). ``width``: the
     target's verify width w (1..B; 1 = plain decode, no draft forward). ``sampling``: the requests' `StepSampling`
-    (drafts drawn, speculative-sampling accept), or None (argmax drafts, greedy accept). Draft block tensors
+    (drafts drawn, speculative-sampling accept), or None (argmax drafts, greedy accept). ``decode_kernel`` (width 1
+    only): the target's forward is a DECODE batch (kv length seq_lens + 1), else TARGET_VERIFY. Draft block tensors
     ``input_ids`` / ``positions`` / ``loc`` ``[bs * B]`` (absent at width 1); the target's ``verify_ids`` /
     ``verify_positions`` / ``verify_loc`` ``[bs * w]`` (the draft's own tensors at w = B); ``accept_out``: the buffers
     the accept writes (None: fresh tensors). ``seq_lens_cpu`` (host plans only) are the committed lengths on the
@@ -112,10 +115,12 @@ class StepBatch:
 
     def __init__(self, m: StepModels, bonus, seq_lens, req_pool_indices, valid=None, seq_lens_cpu=None,
                  accept_out=None, logits_buffer=None, width: int | None = None,
-                 sampling: StepSampling | None = None):
+                 sampling: StepSampling | None = None, decode_kernel: bool = False):
         bs, B = seq_lens.shape[0], m.block_size
         self.sampling = sampling
         w = self.width = B if width is None else width
+        if decode_kernel and w != 1:
+            raise ValueError(f"a DECODE batch verifies one token per request, not {w}")
         dev = seq_lens.device
         self.bs, self.bonus, self.seq_lens, self.req_pool_indices, self.valid = bs, bonus, seq_lens, req_pool_indices, valid
         self.accept_out = accept_out
@@ -132,17 +137,24 @@ class StepBatch:
         self.verify_positions = self.positions if shared else zeros(bs * w)
         self.verify_loc = self.loc if shared else zeros(bs * w)
         self.target_fb = block_forward_batch(m, self, self.verify_ids, self.verify_positions, self.verify_loc, w,
-                                             seq_lens_cpu, CaptureHiddenMode.FULL)
+                                             seq_lens_cpu, CaptureHiddenMode.FULL, decode_kernel)
         self.target_fb.next_token_logits_buffer = logits_buffer
 
 
 def block_forward_batch(m: StepModels, b: StepBatch, input_ids: torch.Tensor, positions: torch.Tensor,
                         loc: torch.Tensor, width: int, seq_lens_cpu: torch.Tensor,
-                        capture: CaptureHiddenMode) -> ForwardBatch:
+                        capture: CaptureHiddenMode, decode: bool = False) -> ForwardBatch:
     """A TARGET_VERIFY ForwardBatch over ``width`` tokens per request of ``b`` (``input_ids`` / ``positions`` /
-    ``loc`` ``[bs * width]``)."""
+    ``loc`` ``[bs * width]``), or with ``decode`` a DECODE batch of one token per request (SGLang's decode lengths:
+    the committed ones + 1)."""
     bs, B = b.bs, width
     seq_lens_cpu = seq_lens_cpu.to(torch.int64)
+    if decode:
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=input_ids, req_pool_indices=b.req_pool_indices,
+            seq_lens=b.seq_lens + 1, out_cache_loc=loc, seq_lens_sum=int(seq_lens_cpu.sum()) + bs,
+            seq_lens_cpu=seq_lens_cpu + 1, positions=positions, spec_algorithm=SpeculativeAlgorithm.DFLASH,
+            capture_hidden_mode=capture)
     spec_info = DFlashBlockInput(draft_token=input_ids, positions=positions, draft_token_num=B,
                                  capture_hidden_mode=capture)
     fb = ForwardBatch(

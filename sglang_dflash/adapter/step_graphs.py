@@ -21,8 +21,9 @@ Widths: every candidate verify width of the policy (`sglang_dflash.policy`) is c
 the one a batch at the policy's batch-size ceiling replays, width 1 alone above it (`planned_graphs`), so
 a narrower step replays a graph as well (an eager step would read the committed lengths on the host: a sync that
 stops the overlap schedule). The draft forward always runs the whole block, so a batch size's draft wrappers serve
-all its widths; the target's wrappers are per (size, width). The wrappers of one forward share one 8 MiB FlashInfer
-int workspace (each replay writes its whole plan there first).
+all its widths; the target's wrappers are per (size, width), at width 1 FlashInfer's decode wrapper where its
+CUDA-core kernel serves the target (`decode_kernel`; its plan written on the device by `DecodeDevicePlan`). The
+wrappers of one forward share one 8 MiB FlashInfer int workspace (each replay writes its whole plan there first).
 
 Accept kinds (`sampling.step_accept_kind`): each (size, width) is captured greedy and, where the sampled step's
 vocabulary-sized float32 temporaries fit `SAMPLED_ROWS_BYTES` per tensor, also
@@ -55,7 +56,7 @@ from sglang_dflash.adapter.sampling import FILTERED, GREEDY, SAMPLED, StepSampli
 from sglang_dflash.adapter.spec_inputs import write_block_kv_layout
 from sglang_dflash.adapter.step import (StepBatch, StepModels, StepResult, accept_phase, draft_phase, padded_rows,
                                         verify_phase)
-from sglang_dflash.kernels.attention_plan import split_kv_plan
+from sglang_dflash.kernels.attention_plan import decode_plan, split_kv_plan
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,10 @@ def graph_count(planned) -> int:
 # graph's nodes and its share of the graphs' pool. From captures on an H100 (RESULTS, "Step capture at start-up"):
 # 0.12 MB per layer (SmolLM2, 30 layers, 1,653 graphs), 0.13 MB (the Qwen3-8B shape, 36 layers, 945); with a margin.
 GRAPH_BYTES_PER_TARGET_LAYER = 160 << 10
-INT_WORKSPACE_BYTES = 8 << 20  # FlashInfer's int workspace of a prefill wrapper; one per forward (`StepGraphs`)
+# FlashInfer's int workspace of a wrapper; one per forward (`StepGraphs`): the draft's, the target's verify and, on the
+# decode kernel (`decode_kernel`), the target's width-1 decode
+INT_WORKSPACE_BYTES = 8 << 20
+INT_WORKSPACES = 3
 
 
 def law_rows(planned) -> int:
@@ -108,9 +112,9 @@ def capture_bytes(sizes: Sequence[int], widths: Sequence[int], block_size: int, 
                   num_target_layers: int, max_batch_size: int | None = None) -> int:
     """Estimated GPU memory (bytes) `StepGraphs` takes for these captures: each graph's own
     (`GRAPH_BYTES_PER_TARGET_LAYER`), the shared float32 logits ``[max(sizes) * block_size, V]`` and drafts' law,
-    and the two int workspaces."""
+    and the int workspaces."""
     planned = planned_graphs(sizes, widths, vocab_size, max_batch_size)
-    shared = (max(sizes) * block_size + law_rows(planned)) * vocab_size * 4 + 2 * INT_WORKSPACE_BYTES
+    shared = (max(sizes) * block_size + law_rows(planned)) * vocab_size * 4 + INT_WORKSPACES * INT_WORKSPACE_BYTES
     return graph_count(planned) * num_target_layers * GRAPH_BYTES_PER_TARGET_LAYER + shared
 
 
@@ -209,18 +213,57 @@ class DevicePlan:
         self.total_rows_at.fill_(self.total_rows)
 
 
+def decode_kernel(target_backend, hybrid: bool) -> bool:
+    """Whether a captured width-1 step's target forward (FlashInfer, one wrapper: `capture`) runs FlashInfer's
+    CUDA-core decode kernel, as a DECODE batch like SGLang's own decode step, instead of its prefill kernel with one
+    query row (twice the attention time on SmolLM2 at 64 requests): where SGLang's decode does not run on tensor cores
+    (it picks them for GQA groups of 4 and more, and that wrapper runs the prefill kernel anyway), for a target without
+    linear-attention layers."""
+    return not hybrid and not target_backend.decode_use_tensor_cores
+
+
+class DecodeDevicePlan:
+    """Where the plan of one capture-mode FlashInfer decode wrapper (CUDA-core kernel, page size 1) lives in its int
+    workspace, and its captured grid; `write` runs `decode_plan` there (the graphs of the target's width-1 forward
+    share one workspace, as `DevicePlan`'s)."""
+
+    def __init__(self, wrapper, bs: int, scratch: torch.Tensor):
+        info = [int(x) for x in wrapper._plan_info]
+        if len(info) != 10 or not info[8]:
+            raise RuntimeError(f"sglang-dflash: unexpected FlashInfer decode plan {info} (expected a CUDA-graph plan, "
+                               "FlashInfer 0.6.15's layout); the step graph cannot plan on the device")
+        padded, _, _, req_off, kvtile_off, o_off, valid_off, chunk_off, _, split = info
+        ws, dev = wrapper._int_workspace_buffer, wrapper._int_workspace_buffer.device
+
+        def i32(offset: int, n: int) -> torch.Tensor:
+            return ws[offset : offset + 4 * n].view(torch.int32)
+
+        self.padded, self.split, self.scratch = padded, bool(split), scratch
+        spare = torch.zeros(padded + bs + 1, dtype=torch.int32, device=dev)  # written by the shared kernel, not read
+        self.out = dict(request_indices=i32(req_off, padded), qo_tile_indices=spare[:padded],
+                        kv_tile_indices=i32(kvtile_off, padded), o_indptr=i32(o_off, bs + 1),
+                        merge_indptr=spare[padded:], kv_chunk_size=i32(chunk_off, 1),
+                        block_valid_mask=(ws[valid_off : valid_off + padded] if self.split
+                                          else torch.zeros(padded, dtype=torch.uint8, device=dev)))
+
+    def write(self, seq_lens: torch.Tensor) -> None:
+        """seq_lens ``[bs]`` int64 committed lengths (kv length = seq_lens + 1) on the device."""
+        decode_plan(seq_lens, self.padded, self.split, DevicePlan.MIN_KV_CHUNK, self.out, self.scratch)
+
+
 class GraphPlan:
     """`decode_step`'s attention planner inside a captured graph: the paged layout and split-kv plan of this graph's
     own wrappers, written on the device, a hybrid target's state slots (``states``), then each backend's in-graph
-    metadata. ``layouts``: (wrapper, query rows per request, qo_indptr ``arange(0, (bs + 1) * rows, rows)``) per
-    wrapper."""
+    metadata. ``layouts``: (wrapper, query rows per request, qo_indptr ``arange(0, (bs + 1) * rows, rows)``; None for a
+    decode wrapper) per wrapper."""
 
     def __init__(self, layouts: list, plans: list[DevicePlan], states: GraphStates | None = None):
         self.layouts, self.plans, self.states = layouts, plans, states
 
     def __call__(self, m: StepModels, b: StepBatch) -> None:
         for wrapper, rows, qo_indptr in self.layouts:  # the attention layout
-            wrapper._qo_indptr_buf.copy_(qo_indptr[: b.bs + 1])
+            if qo_indptr is not None:
+                wrapper._qo_indptr_buf.copy_(qo_indptr[: b.bs + 1])
             write_block_kv_layout(m.req_to_token, b.req_pool_indices, b.seq_lens, rows,
                                   wrapper._paged_kv_indptr_buf, wrapper._paged_kv_indices_buf)
         for plan in self.plans:  # and its split-kv plan
@@ -262,6 +305,7 @@ class StepGraphs:
     def __init__(self, m: StepModels, batch_sizes: Sequence[int], widths: Sequence[int], vocab_size: int, device,
                  hybrid: bool = False, max_batch_size: int | None = None):
         self.m, self.B, self.hybrid = m, m.block_size, hybrid
+        self.decode_kernel = decode_kernel(full_attention_backend(m.target_backend), hybrid)
         self.sizes = sorted({int(b) for b in batch_sizes})
         self.widths = sorted({int(w) for w in widths})
         max_bs, dev = self.sizes[-1], device
@@ -282,9 +326,10 @@ class StepGraphs:
         self.qo_indptr = {rows: torch.arange(0, (max_bs + 1) * rows, rows, dtype=torch.int32, device=dev)
                           for rows in {*self.widths, self.B}}
         self.plan_scratch = torch.zeros(3 * triton_next_power_of_2(max_bs), dtype=torch.int32, device=dev)
-        # one FlashInfer int workspace (8 MiB) per forward (draft, target) for all its graphs instead of one per
-        # (size, width): each replay writes its whole plan there first (`DevicePlan`), and the graphs run one at a time
-        self.int_workspaces: dict = {}  # backend -> (device workspace, pinned host workspace)
+        # one FlashInfer int workspace (8 MiB) per forward (draft, target verify, target decode) for all its graphs
+        # instead of one per (size, width): each replay writes its whole plan there first (`DevicePlan`,
+        # `DecodeDevicePlan`), and the graphs run one at a time
+        self.int_workspaces: dict = {}  # (backend, decode) -> (device workspace, pinned host workspace)
         self.captured: dict[tuple[int, int, str], _Captured] = {}
         self.first_s = 0.0  # seconds of the first capture (warm-ups that compile kernels included)
         self.warmup_s = self.record_s = 0.0  # seconds of all captures' eager warm-ups, and of their recording
@@ -308,7 +353,7 @@ class StepGraphs:
         accept phases around it."""
         m, B = self.m, self.B
         base = StepBatch(m, self.bonus[:bs], self.seq_lens[:bs], self.req_pool_indices[:bs], valid=self.valid[:bs],
-                         logits_buffer=self.logits[: bs * w], width=w)
+                         logits_buffer=self.logits[: bs * w], width=w, decode_kernel=self.decode_kernel and w == 1)
         self.valid[:bs].fill_(False)  # capture and warm-up write only to the padding slot
         forwards = []  # (backend, its own wrappers) of each forward in the step
         if base.draft_fb is not None:
@@ -371,13 +416,17 @@ class StepGraphs:
         return captured, draft, pool
 
     def _own_wrappers(self, backend, fb, bs: int, rows: int) -> _Wrappers:
-        """This size's own capture-mode wrappers of one forward (``rows`` query rows per request) and their
-        device-side layouts and plans."""
+        """This size's own capture-mode wrappers of one forward (``rows`` query rows per request; a DECODE batch:
+        decode wrappers) and their device-side layouts and plans."""
+        decode = fb.forward_mode.is_decode()
         wrappers = _prepare_wrappers(backend, fb, bs)
         for wr in wrappers:  # the forward's shared workspaces; the wrapper's own ones are freed
             shared = self.int_workspaces.setdefault(
-                backend, (wr._int_workspace_buffer, wr._pin_memory_int_workspace_buffer))
+                (backend, decode), (wr._int_workspace_buffer, wr._pin_memory_int_workspace_buffer))
             wr._int_workspace_buffer, wr._pin_memory_int_workspace_buffer = shared
+        if decode:
+            return _Wrappers([(wr, 1, None) for wr in wrappers],
+                             [DecodeDevicePlan(wr, bs, self.plan_scratch) for wr in wrappers], backend.forward_metadata)
         be = backend.indices_updater_prefill
         return _Wrappers([(wr, rows, self.qo_indptr[rows]) for wr in wrappers],
                          [DevicePlan(wr, bs, rows, be.num_qo_heads, be.num_kv_heads, self.plan_scratch)
@@ -421,15 +470,16 @@ class StepGraphs:
 
 
 def _prepare_wrappers(backend, fb, bs: int) -> list:
-    """Create and plan this size's own capture-mode wrappers (they also become ``backend.forward_metadata``,
-    which the capture reads) and put SGLang's wrappers for ``bs`` back."""
-    saved = backend.prefill_cuda_graph_metadata.get(bs)
+    """Create and plan this size's own capture-mode wrappers of ``fb``'s mode (they also become
+    ``backend.forward_metadata``, which the capture reads) and put SGLang's wrappers for ``bs`` back."""
+    graphs = backend.decode_cuda_graph_metadata if fb.forward_mode.is_decode() else backend.prefill_cuda_graph_metadata
+    saved = graphs.get(bs)
     backend.init_forward_metadata_out_graph(fb, in_capture=True)
-    wrappers = backend.prefill_cuda_graph_metadata[bs]
+    wrappers = graphs[bs]
     if saved is None:
-        backend.prefill_cuda_graph_metadata.pop(bs)
+        graphs.pop(bs)
     else:
-        backend.prefill_cuda_graph_metadata[bs] = saved
+        graphs[bs] = saved
     return wrappers
 
 
