@@ -208,7 +208,6 @@ def test_device_plan_equals_flashinfer_host_plan_and_serves_a_captured_graph(bs,
     views = _workspace_views(graph_wrapper, bs, block)
     seq_lens = torch.ones(bs, dtype=torch.int64, device=dev)
     scratch = torch.zeros(3 * 128, dtype=torch.int32, device=dev)
-    kv_indptr_dev = graph_wrapper._paged_kv_indptr_buf
     out = torch.empty_like(q)
 
     def body():
@@ -230,20 +229,29 @@ def test_device_plan_equals_flashinfer_host_plan_and_serves_a_captured_graph(bs,
         assert list(host_wrapper._plan_info)[:4] == info[:4]  # same grid, rows and q tile as the capture
         new_items = int(want["block_valid_mask"].sum())
         ref = split_kv_plan_ref(torch.tensor(lens), block, tiles_q, budget, info[0], 128)
-        for key in KEYS:  # the ref is FlashInfer's rule (stale entries past the last item aside)
-            n = new_items if key in ("request_indices", "qo_tile_indices", "kv_tile_indices") else None
-            assert torch.equal(want[key].cpu()[:n], ref[key][:n]), f"bs={bs} lens={lens} {key}"
+        _assert_plan(want, ref, KEYS, new_items, f"host plan bs={bs} lens={lens}")  # the ref is FlashInfer's rule
+        _replay_at(graph, graph_wrapper, seq_lens, lens, kv_indptr, slots)
+        _assert_plan(views, ref, KEYS, new_items, f"device plan bs={bs} lens={lens}")
         expected = host_wrapper.run(q, (k_cache, v_cache))
-
-        seq_lens.copy_(torch.tensor(lens))
-        kv_indptr_dev.copy_(kv_indptr)
-        graph_wrapper._paged_kv_indices_buf[: int(kv_indptr[-1])].copy_(slots[: int(kv_indptr[-1])])
-        graph.replay()
-        torch.cuda.synchronize()
-        for key in KEYS:
-            n = new_items if key in ("request_indices", "qo_tile_indices", "kv_tile_indices") else None
-            assert torch.equal(views[key].cpu()[:n], ref[key][:n]), f"device plan bs={bs} lens={lens} {key}"
         assert torch.equal(out, expected), f"bs={bs} lens={lens}: max diff {(out - expected).abs().max()}"
+
+
+ITEM_KEYS = ("request_indices", "qo_tile_indices", "kv_tile_indices")  # per work item: stale past the last one
+
+
+def _assert_plan(got, ref, keys, items, what):
+    for key in keys:
+        n = items if key in ITEM_KEYS else None
+        assert torch.equal(got[key].cpu()[:n], ref[key][:n]), f"{what}: {key}"
+
+
+def _replay_at(graph, wrapper, seq_lens, lens, kv_indptr, slots):
+    """Replay a captured plan + attention graph at committed lengths ``lens``, their kv layout written first."""
+    seq_lens.copy_(torch.tensor(lens))
+    wrapper._paged_kv_indptr_buf.copy_(kv_indptr)
+    wrapper._paged_kv_indices_buf[: int(kv_indptr[-1])].copy_(slots[: int(kv_indptr[-1])])
+    graph.replay()
+    torch.cuda.synchronize()
 
 
 def _decode_wrapper(bs, max_tokens):
@@ -305,7 +313,6 @@ def test_device_decode_plan_equals_flashinfer_host_plan_and_serves_a_captured_gr
         out_views["block_valid_mask"] = torch.zeros(padded, dtype=torch.uint8, device=dev)
     seq_lens = torch.ones(bs, dtype=torch.int64, device=dev)
     scratch = torch.zeros(3 * 256, dtype=torch.int32, device=dev)
-    kv_indptr_dev = graph_wrapper._paged_kv_indptr_buf
     out = torch.empty_like(q)
 
     def body():
@@ -327,20 +334,11 @@ def test_device_decode_plan_equals_flashinfer_host_plan_and_serves_a_captured_gr
         want = _decode_workspace_views(host_wrapper, bs)
         assert [int(x) for x in host_wrapper._plan_info][0] == padded  # same grid as the capture
         ref = decode_plan_ref(torch.tensor(lens), padded * kv_heads, kv_heads, split, 128)
-        n = int(ref["o_indptr"][-1])  # work items (stale entries past them aside)
-        for key in keys:  # the ref is FlashInfer's rule
-            m = n if key in ("request_indices", "kv_tile_indices") else None
-            assert torch.equal(want[key].cpu()[:m], ref[key][:m]), f"bs={bs} lens={lens} {key}"
+        items = int(ref["o_indptr"][-1])
+        _assert_plan(want, ref, keys, items, f"host plan bs={bs} lens={lens}")  # the ref is FlashInfer's rule
+        _replay_at(graph, graph_wrapper, seq_lens, lens, kv_indptr, slots)
+        _assert_plan(views, ref, keys, items, f"device plan bs={bs} lens={lens}")
         expected = host_wrapper.run(q, (k_cache, v_cache))
-
-        seq_lens.copy_(torch.tensor(lens))
-        kv_indptr_dev.copy_(kv_indptr)
-        graph_wrapper._paged_kv_indices_buf[: int(kv_indptr[-1])].copy_(slots[: int(kv_indptr[-1])])
-        graph.replay()
-        torch.cuda.synchronize()
-        for key in keys:
-            m = n if key in ("request_indices", "kv_tile_indices") else None
-            assert torch.equal(views[key].cpu()[:m], ref[key][:m]), f"device plan bs={bs} lens={lens} {key}"
         assert torch.equal(out, expected), f"bs={bs} lens={lens}: max diff {(out - expected).abs().max()}"
 
 
