@@ -311,17 +311,55 @@ def test_unsupported_flags_fail_with_the_fix(draft_dir, overrides, message):
     assert str(err.value).startswith("sglang-dflash:")
 
 
-def test_default_attention_backend_is_one_dflash_serves():
-    from sglang.srt.utils import is_flashinfer_available
+def test_default_attention_backend_is_one_dflash_serves(monkeypatch):
+    import sglang.srt.utils
 
     from sglang_dflash.adapter.server_args import _SUPPORTED_BACKENDS, default_attention_backend
 
     cuda, cpu = SimpleNamespace(device="cuda"), SimpleNamespace(device="cpu")
     for backend in _SUPPORTED_BACKENDS:
         assert default_attention_backend(cuda, backend) == backend  # SGLang's choice kept where we serve it
-    gpu_fallback = "flashinfer" if is_flashinfer_available() else "triton"
-    assert [default_attention_backend(cuda, b) for b in ("fa3", "trtllm_mha", "fa4")] == [gpu_fallback] * 3
+        assert default_attention_backend(cuda, backend, attention_sinks=True) == backend
+    for installed, fallback in ((True, "flashinfer"), (False, "triton")):
+        monkeypatch.setattr(sglang.srt.utils, "is_flashinfer_available", lambda: installed)
+        assert [default_attention_backend(cuda, b) for b in ("fa3", "trtllm_mha", "fa4", None)] == [fallback] * 4
+        # attention sinks (gpt-oss): FlashInfer has none
+        assert default_attention_backend(cuda, "fa3", attention_sinks=True) == "triton"
     assert default_attention_backend(cpu, "intel_amx") == "torch_native"
+
+
+def _sglang_decides(args, **fields):
+    """SGLang's own start-up decision for the model (a model override; not typed by the user, whose values the raw
+    fields keep until resolution ends)."""
+    from sglang_dflash.adapter import compat
+
+    if compat.SERVER_ARGS_DECLARED:
+        compat._overrides.declare_resolution(args, "_model_overrides", **fields)
+    else:
+        args._resolved_overrides = [*getattr(args, "_resolved_overrides", []), ("_model_overrides", dict(fields))]
+
+
+@pytest.mark.parametrize("sinks, served", [(False, "flashinfer"), (True, "triton")])
+def test_a_backend_sglang_picks_for_the_model_is_replaced_by_one_dflash_serves(draft_dir, monkeypatch, caplog,
+                                                                                sinks, served):
+    """gpt-oss on Hopper: SGLang picks fa3 for the model (not the user: no --attention-backend typed), which DFLASH is
+    not served with; the launcher uses triton for a target with attention sinks (else flashinfer), logged, and a page
+    size SGLang picks is set back to 1 -- where a backend or page size the user typed is refused."""
+    import logging
+
+    import sglang.srt.utils
+
+    from sglang_dflash.adapter import server_args as sa
+
+    monkeypatch.setattr(sglang.srt.utils, "is_flashinfer_available", lambda: True)
+    monkeypatch.setattr(sa, "attention_sinks", lambda server_args: sinks)
+    args = _args(draft_dir, device="cuda", page_size=None)
+    _sglang_decides(args, attention_backend="fa3", page_size=64)
+    with caplog.at_level(logging.INFO, logger=sa.logger.name):
+        sa.resolve_server_args(args)
+    assert (_resolved(args).attention_backend, _resolved(args).page_size) == (served, 1)
+    assert "SGLang picks the fa3 attention backend for this model here" in caplog.text
+    assert f"using {served}" in caplog.text and "page size 1 instead of the 64 SGLang picks" in caplog.text
 
 
 def test_launch_without_attention_backend_gets_a_served_default_on_hopper():
@@ -1279,7 +1317,10 @@ def test_step_graph_memory_is_added_to_sglangs_reserve_where_the_step_is_capture
     from sglang_dflash.adapter import hooks
     from sglang_dflash.adapter.step_graphs import capture_bytes
 
+    from sglang_dflash.adapter import server_args as sa
+
     monkeypatch.setattr(sglang.srt.utils, "is_flashinfer_available", lambda: True)
+    monkeypatch.setattr(sa, "attention_sinks", lambda server_args: False)
     sglangs = lambda server_args: 100.0  # noqa: E731  SGLang's own reserve (MB)
     mb = lambda nbytes: nbytes / (1 << 20)  # noqa: E731
     # the test draft: block 8, vocabulary 100, 8 target layers; default widths 1, 2, 4, 8
@@ -1292,6 +1333,11 @@ def test_step_graph_memory_is_added_to_sglangs_reserve_where_the_step_is_capture
                  _graph_args(draft_dir, attention_backend="triton"),
                  _graph_args(draft_dir, speculative_algorithm="EAGLE")):
         assert hooks._reserve_step_graphs(sglangs, args) == 100.0
+    # a target with attention sinks runs on triton (`default_attention_backend`): no step graphs to reserve for,
+    # unless the user typed flashinfer
+    monkeypatch.setattr(sa, "attention_sinks", lambda server_args: True)
+    assert hooks._reserve_step_graphs(sglangs, _graph_args(draft_dir)) == 100.0
+    assert hooks._reserve_step_graphs(sglangs, _graph_args(draft_dir, attention_backend="flashinfer")) > 100.0
 
 
 def test_a_capture_out_of_gpu_memory_names_the_flags_that_fix_it(monkeypatch):

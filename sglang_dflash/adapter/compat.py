@@ -152,11 +152,15 @@ def version_problem(version: str | None = None) -> str | None:
 
 # ---- server arguments during start-up resolution ----------------------------------------------------------
 def resolving(server_args):
-    """What resolution has decided so far for ``server_args`` (read every field through this during resolution)."""
+    """What resolution has decided so far for ``server_args`` (read every field through this during resolution),
+    SGLang's own decisions for the model included (gpt-oss's attention backend, ...): on 0.5.17 they wait in a stash
+    until resolution ends, and the fields still hold what the user typed."""
     if SERVER_ARGS_DECLARED:
         from sglang.srt.arg_groups.model_override_base import resolving_view
 
         return resolving_view(server_args)
+    if DECISIONS_STASHED:
+        return _overrides.resolved_view(server_args)
     return server_args
 
 

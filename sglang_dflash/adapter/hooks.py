@@ -187,7 +187,8 @@ def _default_attn_backend(original, server_args, *args, **kwargs):
         return backend
     from sglang_dflash.adapter.server_args import default_attention_backend
 
-    chosen = default_attention_backend(server_args, backend)
+    model_config = kwargs["model_config"] if "model_config" in kwargs else args[1]
+    chosen = default_attention_backend(server_args, backend, bool(getattr(model_config, "has_attention_sinks", False)))
     if chosen != backend:
         logger.info("sglang-dflash: no --attention-backend given and SGLang's default here (%s) is not one "
                     "sglang-dflash serves DFLASH with; using %s.", backend, chosen)

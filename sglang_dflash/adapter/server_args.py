@@ -38,17 +38,23 @@ def load_draft_config(server_args) -> DFlashDraftConfig:
         raise ValueError(f"sglang-dflash: cannot use draft {server_args.speculative_draft_model_path!r}: {e}") from e
 
 
-def default_attention_backend(server_args, sglang_default: str) -> str:
-    """The attention backend DFLASH runs with when the user chose none: SGLang's own default where sglang-dflash
-    supports it; otherwise (fa3 on Hopper, trtllm_mha / fa4 on Blackwell, aiter on ROCm, intel_amx on x86 CPUs)
-    torch_native on CPU, flashinfer on CUDA when installed, else triton."""
-    if sglang_default in _SUPPORTED_BACKENDS:
-        return sglang_default
+def default_attention_backend(server_args, sglang_choice: str | None, attention_sinks: bool = False) -> str:
+    """The attention backend DFLASH runs with when the user chose none: SGLang's choice (its default, or the one it
+    picks for the model) where sglang-dflash serves it; otherwise (fa3 on Hopper, trtllm_mha / fa4 on Blackwell,
+    aiter on ROCm, intel_amx on x86 CPUs) torch_native on CPU, triton for a target with ``attention_sinks`` (gpt-oss:
+    FlashInfer has none) or without FlashInfer, else flashinfer."""
+    if sglang_choice in _SUPPORTED_BACKENDS:
+        return sglang_choice
     if _on_cpu(server_args):
         return "torch_native"
     from sglang.srt.utils import is_flashinfer_available, is_hip
 
-    return "flashinfer" if is_flashinfer_available() and not is_hip() else "triton"
+    return "flashinfer" if is_flashinfer_available() and not is_hip() and not attention_sinks else "triton"
+
+
+def attention_sinks(server_args) -> bool:
+    """Whether the target has attention sinks (SGLang's ModelConfig: gpt-oss, some MiMo-V2)."""
+    return bool(getattr(compat.model_config(server_args), "has_attention_sinks", False))
 
 
 def block_size(server_args, dcfg: DFlashDraftConfig) -> int:
@@ -77,15 +83,17 @@ def step_graph_reserve_mb(raw_args) -> float:
     (the memory it leaves outside --mem-fraction-static when it sizes that fraction itself) does not count; logged.
     0 where the step is not captured (CPU, decode CUDA graphs off, an attention backend other than FlashInfer)."""
     from sglang.srt.model_executor.cuda_graph_config import Backend
-    from sglang.srt.utils import is_flashinfer_available
 
     from sglang_dflash.adapter import step_graphs
 
     server_args = compat.resolving(raw_args)
     decode = server_args.cuda_graph_config.decode
-    backend = server_args.attention_backend or ("flashinfer" if is_flashinfer_available() else None)
-    if (_on_cpu(server_args) or server_args.speculative_draft_model_path is None or decode.backend == Backend.DISABLED
-            or backend != "flashinfer"):
+    if _on_cpu(server_args) or server_args.speculative_draft_model_path is None or decode.backend == Backend.DISABLED:
+        return 0.0
+    # SGLang settles the attention backend after sizing memory: the one DFLASH will run on unless SGLang's default
+    # there is another one sglang-dflash serves (triton on a GPU without FlashInfer: no step graphs, nothing reserved)
+    backend = raw_args.attention_backend or default_attention_backend(server_args, None, attention_sinks(server_args))
+    if backend != "flashinfer":
         return 0.0
     dcfg = load_draft_config(server_args)
     block = block_size(server_args, dcfg)
@@ -118,8 +126,12 @@ def resolve_server_args(raw_args) -> None:
     if server_args.enable_dp_attention or (getattr(server_args, "attn_dp_size", None) or 1) > 1:
         _fail("data-parallel attention (--enable-dp-attention / --attn-dp-size) is not supported",
               "Remove the flag; --dp-size M alone serves M replicas, each sharded over --tp-size N.")
-    if server_args.page_size not in (None, 1):
-        _fail(f"--page-size {server_args.page_size} is not supported", "Use --page-size 1.")
+    if raw_args.page_size not in (None, 1):
+        _fail(f"--page-size {raw_args.page_size} is not supported", "Use --page-size 1.")
+    if server_args.page_size not in (None, 1):  # SGLang's choice for the model or its backend
+        logger.info("sglang-dflash: page size 1 instead of the %d SGLang picks here (DFLASH served by sglang-dflash "
+                    "keeps the draft KV at the target's token slots, page size 1)", server_args.page_size)
+        compat.resolve(raw_args, page_size=1)
     if server_args.speculative_draft_window_size is not None:
         _fail("--speculative-draft-window-size is not supported", "Remove the flag.")
     if server_args.enable_lora or server_args.lora_paths:
@@ -128,9 +140,15 @@ def resolve_server_args(raw_args) -> None:
     for field, flag in _UNSERVED_FEATURES:
         if getattr(server_args, field, None) not in (None, False):
             _fail(f"{flag} is not supported by DFLASH served by sglang-dflash", f"Remove {flag}.")
-    backend = server_args.attention_backend
+    backend = raw_args.attention_backend  # what the user typed
     if backend is not None and backend not in _SUPPORTED_BACKENDS:
         _fail(f"--attention-backend {backend} is not supported", f"Use one of {_SUPPORTED_BACKENDS}.")
+    chosen = server_args.attention_backend  # and SGLang's choice for the model (gpt-oss: fa3 on Hopper)
+    if backend is None and chosen is not None and chosen not in _SUPPORTED_BACKENDS:
+        ours = default_attention_backend(server_args, chosen, attention_sinks(server_args))
+        logger.info("sglang-dflash: SGLang picks the %s attention backend for this model here, which sglang-dflash "
+                    "does not serve DFLASH with; using %s (--attention-backend chooses).", chosen, ours)
+        compat.resolve(raw_args, attention_backend=ours)
     if server_args.speculative_eagle_topk not in (None, 1) or server_args.speculative_num_steps not in (None, 1):
         _fail("DFLASH verifies one linear block: --speculative-eagle-topk/--speculative-num-steps must be 1",
               "Remove those flags.")
