@@ -164,10 +164,11 @@ def capture(m: StepModels, runners: Sequence, backend: str, hybrid: bool, widths
     except torch.cuda.OutOfMemoryError:  # start-up, not the step: name the fixes instead of a traceback
         raise MemoryError(out_of_memory_message(sizes, widths, graph_count(planned), free0 / 1e9)) from None
     pairs = sorted({(bs, w) for bs, w, kind in graphs.captured if kind == SAMPLED})
-    logger.info("sglang-dflash: decode step captured as CUDA graphs for batch sizes %s x verify widths %s; "
-                "sampled steps for %d (batch size, width) pairs up to %d rows; %d graphs in %.1f s (the first, "
-                "with its kernels' first compilation: %.1f s; eager warm-ups %.1f s, recording %.1f s), %.2f GB",
-                sizes, widths, len(pairs), max((bs * w for bs, w in pairs), default=0), graph_count(graphs.captured),
+    logger.info("sglang-dflash: decode step captured as CUDA graphs for batch sizes %s x verify widths %s (width 1 on "
+                "FlashInfer's %s kernel); sampled steps for %d (batch size, width) pairs up to %d rows; %d graphs in "
+                "%.1f s (the first, with its kernels' first compilation: %.1f s; eager warm-ups %.1f s, recording "
+                "%.1f s), %.2f GB", sizes, widths, "decode" if graphs.decode_kernel else "prefill", len(pairs),
+                max((bs * w for bs, w in pairs), default=0), graph_count(graphs.captured),
                 time.perf_counter() - t0, graphs.first_s, graphs.warmup_s, graphs.record_s,
                 (free0 - torch.cuda.mem_get_info(device)[0]) / 1e9)
     return graphs
