@@ -291,6 +291,45 @@ def test_family_checkpoints_are_read_by_sglang(family, tmp_path):
     assert (draft.cfg.num_hidden_layers, draft.cfg.head_dim, draft.cfg.block_size) == (2, 64, 16)
 
 
+def test_gpt_oss_on_hopper_without_a_backend_is_served_on_triton(tmp_path):
+    """The plain serving command on a gpt-oss target on Hopper: SGLang picks fa3 for the model (its gpt-oss override,
+    not its generic default), which DFLASH is not served with, and FlashInfer has no attention sinks: the launcher
+    resolves triton, logged, and reserves nothing for step graphs. SGLang's whole server-argument resolution of the
+    family's checkpoint with an H100's platform answers (a subprocess: the hooks patch SGLang process-wide); the same
+    without DFLASH keeps fa3."""
+    import subprocess
+    import textwrap
+
+    rc = _bench_module("random_checkpoints")
+    target_dir, draft_dir = rc.build_family("gpt_oss", tmp_path, "cpu", hidden_size=64, intermediate_size=128)
+    code = textwrap.dedent(f"""
+        import logging, sys
+        logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+        from sglang_dflash.adapter import hooks
+        hooks.install()
+        from sglang.srt.plugins.hook_registry import HookRegistry
+        HookRegistry.apply_hooks()
+        import sglang.srt.arg_groups.overrides as ov
+        import sglang.srt.server_args as sa
+        import sglang.srt.utils
+        # what an H100 with CUDA >= 12.3 and FlashInfer answers
+        for module, name, value in ((ov, "is_sm90_supported", True), (ov, "is_sm100_supported", False),
+                                    (sa, "is_hopper_with_cuda_12_3", True), (sa, "is_sm100_supported", False),
+                                    (sa, "is_flashinfer_available", True), (sglang.srt.utils, "is_flashinfer_available", True)):
+            setattr(module, name, lambda *a, value=value, **k: value)
+        sa.get_device_memory_capacity = lambda *a, **k: 80 * 1024
+        for spec in ({{"speculative_algorithm": "DFLASH", "speculative_draft_model_path": "{draft_dir}"}}, {{}}):
+            args = sa.ServerArgs(model_path="{target_dir}", device="cuda", **spec)
+            print("RESOLVED", spec.get("speculative_algorithm"), args.attention_backend)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "RESOLVED DFLASH triton" in out.stdout, out.stdout[-3000:]
+    assert "RESOLVED None fa3" in out.stdout, out.stdout[-3000:]
+    assert "SGLang picks the fa3 attention backend for this model here" in out.stdout
+    assert "kept outside --mem-fraction-static" not in out.stdout
+
+
 def test_arch_matrix_chi_square_tells_one_distribution_from_another_and_prompts_share_a_prefix():
     import random
     from collections import Counter
