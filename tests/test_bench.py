@@ -312,7 +312,12 @@ def test_gpt_oss_on_hopper_without_a_backend_is_served_on_triton(tmp_path):
         import sglang.srt.arg_groups.overrides as ov
         import sglang.srt.server_args as sa
         import sglang.srt.utils
-        # what an H100 with CUDA >= 12.3 and FlashInfer answers
+        from sglang.srt import runtime_context
+        from sglang_dflash.adapter import compat
+        # what an H100 with CUDA >= 12.3 and FlashInfer answers (platform facts from 0.5.20, helpers before)
+        if hasattr(runtime_context, "override_platform"):
+            runtime_context.override_platform(is_sm90=True, is_sm100=False, is_hopper_with_cuda_12_3=True,
+                                              has_flashinfer=True).install()
         for module, name, value in ((ov, "is_sm90_supported", True), (ov, "is_sm100_supported", False),
                                     (sa, "is_hopper_with_cuda_12_3", True), (sa, "is_sm100_supported", False),
                                     (sa, "is_flashinfer_available", True), (sglang.srt.utils, "is_flashinfer_available", True)):
@@ -320,7 +325,9 @@ def test_gpt_oss_on_hopper_without_a_backend_is_served_on_triton(tmp_path):
         sa.get_device_memory_capacity = lambda *a, **k: 80 * 1024
         for spec in ({{"speculative_algorithm": "DFLASH", "speculative_draft_model_path": "{draft_dir}"}}, {{}}):
             args = sa.ServerArgs(model_path="{target_dir}", device="cuda", **spec)
-            print("RESOLVED", spec.get("speculative_algorithm"), args.attention_backend)
+            if hasattr(args, "resolve_once"):  # 0.5.20+: construction leaves resolution to the launcher
+                args.resolve_once()
+            print("RESOLVED", spec.get("speculative_algorithm"), compat.published(args).attention_backend)
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
