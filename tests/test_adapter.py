@@ -1314,10 +1314,8 @@ def test_step_graph_memory_is_added_to_sglangs_reserve_where_the_step_is_capture
     import sglang.srt.utils
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
-    from sglang_dflash.adapter import hooks
+    from sglang_dflash.adapter import hooks, server_args as sa
     from sglang_dflash.adapter.step_graphs import capture_bytes
-
-    from sglang_dflash.adapter import server_args as sa
 
     monkeypatch.setattr(sglang.srt.utils, "is_flashinfer_available", lambda: True)
     monkeypatch.setattr(sa, "attention_sinks", lambda server_args: False)
