@@ -40,6 +40,7 @@ Each captured graph's wrappers are its own (created through the backends' captur
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import logging
 import time
@@ -174,6 +175,11 @@ def capture(m: StepModels, runners: Sequence, backend: str, hybrid: bool, widths
     return graphs
 
 
+def _int32_at(workspace: torch.Tensor, offset: int, n: int) -> torch.Tensor:
+    """``n`` int32 entries at byte ``offset`` of a FlashInfer int workspace (uint8), as a view."""
+    return workspace[offset : offset + 4 * n].view(torch.int32)
+
+
 class DevicePlan:
     """Where the split-kv plan of one capture-mode FlashInfer prefill wrapper lives in its int workspace, and the
     fixed quantities of its captured grid (from the capture-time plan); `write` runs `split_kv_plan` into it and
@@ -193,9 +199,7 @@ class DevicePlan:
             info[:10]
         valid_off = info[12]
         ws = wrapper._int_workspace_buffer
-
-        def i32(offset: int, n: int) -> torch.Tensor:
-            return ws[offset : offset + 4 * n].view(torch.int32)
+        i32 = functools.partial(_int32_at, ws)
 
         self.bs, self.block_size, self.padded, self.scratch = bs, block_size, int(padded), scratch
         self.tiles_q = -(-block_size * (num_qo_heads // num_kv_heads) // int(cta_tile_q))
@@ -235,9 +239,7 @@ class DecodeDevicePlan:
                                "FlashInfer 0.6.15's layout); the step graph cannot plan on the device")
         padded, _, _, req_off, kvtile_off, o_off, valid_off, chunk_off, _, split = info
         ws, dev = wrapper._int_workspace_buffer, wrapper._int_workspace_buffer.device
-
-        def i32(offset: int, n: int) -> torch.Tensor:
-            return ws[offset : offset + 4 * n].view(torch.int32)
+        i32 = functools.partial(_int32_at, ws)
 
         self.padded, self.split, self.scratch = padded, bool(split), scratch
         spare = torch.zeros(padded + bs + 1, dtype=torch.int32, device=dev)  # written by the shared kernel, not read
