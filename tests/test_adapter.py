@@ -4,8 +4,10 @@ and the carried draft state (filter/merge). The served behaviour is in test_serv
 from __future__ import annotations
 
 import collections
+import importlib.util
 import itertools
 import os
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -698,9 +700,65 @@ def test_step_graph_device_plan_writes_flashinfer_workspace_at_the_plan_offsets(
         written[offsets[key] : offsets[key] + 4 * n] = True
     written[offsets["valid"] : offsets["valid"] + padded] = True
     assert (ws[~written] == 0xAB).all()
-    with pytest.raises(RuntimeError, match="expected a CUDA-graph plan with split kv"):
+    with pytest.raises(RuntimeError, match="15 fields with enable_cuda_graph, split_kv set"):
         step_graphs.DevicePlan(SimpleNamespace(_plan_info=info[:14] + [0], _int_workspace_buffer=ws), bs, B, 6, 2,
                                torch.zeros(12, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_step_graph_decode_plan_writes_flashinfer_workspace_at_the_plan_offsets(split):
+    """DecodeDevicePlan reads the capture-time decode plan's offsets (FlashInfer's DecodePlanInfo order) and writes
+    the plan of the committed lengths there (int32; uint8 block_valid_mask only when the capture split kv: without a
+    split FlashInfer allocates no mask), leaving the rest of the workspace."""
+    from sglang_dflash.adapter import step_graphs
+    from sglang_dflash.kernels.attention_plan import decode_plan_ref
+
+    bs, kv_heads = 3, 2
+    padded = 8 if split else bs
+    offsets = dict(req=16, kvtile=48, o=80, valid=96, chunk=112)
+    info = [padded, 0, 0, offsets["req"], offsets["kvtile"], offsets["o"], offsets["valid"] if split else 0,
+            offsets["chunk"], 1, int(split)]
+    ws = torch.full((160,), 0xAB, dtype=torch.uint8)
+    plan = step_graphs.DecodeDevicePlan(SimpleNamespace(_plan_info=info, _int_workspace_buffer=ws), bs,
+                                        scratch=torch.zeros(12, dtype=torch.int32))
+    seq_lens = torch.tensor([300, 1, 129])
+    plan.write(seq_lens)
+    want = decode_plan_ref(seq_lens, padded * kv_heads, kv_heads, split, 128)
+    if split:  # kv 301, 2, 130 in chunks of 128: 3 + 1 + 2 items of the grid's 8
+        assert want["kv_chunk_size"].item() == 128 and want["block_valid_mask"].sum() == 6
+
+    def i32(off, n):
+        return ws[off : off + 4 * n].view(torch.int32)
+
+    assert torch.equal(i32(offsets["req"], padded), want["request_indices"])
+    assert torch.equal(i32(offsets["kvtile"], padded), want["kv_tile_indices"])
+    assert torch.equal(i32(offsets["o"], bs + 1), want["o_indptr"])
+    written = torch.zeros(160, dtype=torch.bool)
+    for key, n in (("req", padded), ("kvtile", padded), ("o", bs + 1), ("chunk", 1)):
+        written[offsets[key] : offsets[key] + 4 * n] = True
+    if split:
+        assert torch.equal(i32(offsets["chunk"], 1), want["kv_chunk_size"])
+        assert torch.equal(ws[offsets["valid"] : offsets["valid"] + padded], want["block_valid_mask"])
+        written[offsets["valid"] : offsets["valid"] + padded] = True
+    assert (ws[~written] == 0xAB).all()
+    with pytest.raises(RuntimeError, match="10 fields with enable_cuda_graph set"):
+        step_graphs.DecodeDevicePlan(SimpleNamespace(_plan_info=info[:8] + [0, int(split)], _int_workspace_buffer=ws),
+                                     bs, torch.zeros(12, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("struct, fields", [("PrefillPlanInfo", "PREFILL_PLAN_INFO"),
+                                            ("DecodePlanInfo", "DECODE_PLAN_INFO")])
+def test_step_graph_plan_layout_is_the_installed_flashinfers(struct, fields):
+    """The step graph reads a wrapper's ``_plan_info`` by the field order of the FlashInfer this SGLang brings
+    (0.6.15 with 0.5.17, 0.7.2 with 0.5.23): ``ToVector`` of that struct in its installed scheduler header. A
+    FlashInfer that reorders the fields fails here, on a CPU, instead of planning at the wrong offsets on a GPU."""
+    from sglang_dflash.adapter import step_graphs
+
+    root = Path(importlib.util.find_spec("flashinfer").submodule_search_locations[0])
+    header = (root / "data" / "include" / "flashinfer" / "attention" / "scheduler.cuh").read_text()
+    body = header[header.index(f"struct {struct} {{"):]
+    listed = re.search(r"ToVector\(\) const \{\s*return \{([^}]*)\};", body)[1]
+    assert tuple(name.strip() for name in listed.split(",")) == getattr(step_graphs, fields)
 
 
 def test_step_graph_accept_writes_one_packed_buffer():
@@ -1061,8 +1119,6 @@ def test_hybrid_target_on_cpu_only_where_the_ops_call_form_is_known(qwen3_next_t
     """The launcher's CPU set-up (`cpu_platform.check_hybrid_target`) lets a hybrid target start where the form of
     the installed SGLang's CPU op calls is known (`compat.CPU_SIGMOID_MUL_CALL`: found for every supported release),
     and refuses it elsewhere in one line naming the fix; a pure-attention target is not asked."""
-    import re
-
     import sglang
 
     from sglang_dflash.adapter import compat, cpu_platform, hybrid

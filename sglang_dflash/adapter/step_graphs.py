@@ -180,6 +180,29 @@ def _int32_at(workspace: torch.Tensor, offset: int, n: int) -> torch.Tensor:
     return workspace[offset : offset + 4 * n].view(torch.int32)
 
 
+# The order of a wrapper's ``_plan_info``: FlashInfer's PrefillPlanInfo / DecodePlanInfo ``ToVector``
+# (include/flashinfer/attention/scheduler.cuh; the same in FlashInfer 0.6.15 and 0.7.2).
+PREFILL_PLAN_INFO = ("padded_batch_size", "total_num_rows", "total_num_rows_offset", "cta_tile_q",
+                     "request_indices_offset", "qo_tile_indices_offset", "kv_tile_indices_offset",
+                     "merge_indptr_offset", "o_indptr_offset", "kv_chunk_size_ptr_offset", "v_offset", "s_offset",
+                     "block_valid_mask_offset", "enable_cuda_graph", "split_kv")
+DECODE_PLAN_INFO = ("padded_batch_size", "v_offset", "s_offset", "request_indices_offset", "kv_tile_indices_offset",
+                    "o_indptr_offset", "block_valid_mask_offset", "kv_chunk_size_ptr_offset", "enable_cuda_graph",
+                    "split_kv")
+
+
+def plan_info(wrapper, fields: tuple[str, ...], needs: tuple[str, ...]) -> dict[str, int]:
+    """A capture-mode FlashInfer wrapper's ``_plan_info`` by field name (``fields``: `PREFILL_PLAN_INFO` or
+    `DECODE_PLAN_INFO`); every field in ``needs`` must be set (the plan the step graph can rewrite on the device)."""
+    values = [int(x) for x in wrapper._plan_info]
+    info = dict(zip(fields, values))
+    if len(values) != len(fields) or not all(info[f] for f in needs):
+        raise RuntimeError(f"sglang-dflash: unexpected FlashInfer plan {values} (expected {len(fields)} fields with "
+                           f"{', '.join(needs)} set, FlashInfer 0.6.15-0.7.2's layout); the step graph cannot plan "
+                           "on the device")
+    return info
+
+
 class DevicePlan:
     """Where the split-kv plan of one capture-mode FlashInfer prefill wrapper lives in its int workspace, and the
     fixed quantities of its captured grid (from the capture-time plan); `write` runs `split_kv_plan` into it and
@@ -191,25 +214,23 @@ class DevicePlan:
     def __init__(self, wrapper, bs: int, block_size: int, num_qo_heads: int, num_kv_heads: int, scratch: torch.Tensor):
         """``block_size``: query rows per request of this wrapper's forward (the draft's block, or the verify
         width)."""
-        info = list(wrapper._plan_info)
-        if len(info) != 15 or not info[13] or not info[14]:
-            raise RuntimeError(f"sglang-dflash: unexpected FlashInfer prefill plan {info} (expected a CUDA-graph plan "
-                               "with split kv, FlashInfer 0.6.15's layout); the step graph cannot plan on the device")
-        padded, total_rows, total_rows_off, cta_tile_q, req_off, qtile_off, kvtile_off, merge_off, o_off, chunk_off = \
-            info[:10]
-        valid_off = info[12]
+        info = plan_info(wrapper, PREFILL_PLAN_INFO, needs=("enable_cuda_graph", "split_kv"))
         ws = wrapper._int_workspace_buffer
         i32 = functools.partial(_int32_at, ws)
 
-        self.bs, self.block_size, self.padded, self.scratch = bs, block_size, int(padded), scratch
-        self.tiles_q = -(-block_size * (num_qo_heads // num_kv_heads) // int(cta_tile_q))
+        self.bs, self.block_size, self.padded, self.scratch = bs, block_size, info["padded_batch_size"], scratch
+        self.tiles_q = -(-block_size * (num_qo_heads // num_kv_heads) // info["cta_tile_q"])
         sms = torch.cuda.get_device_properties(ws.device).multi_processor_count
         self.max_batch_size_if_split = 2 * sms // num_kv_heads  # FlashInfer's PrefillPlan budget
-        self.out = dict(request_indices=i32(req_off, self.padded), qo_tile_indices=i32(qtile_off, self.padded),
-                        kv_tile_indices=i32(kvtile_off, self.padded), o_indptr=i32(o_off, bs + 1),
-                        merge_indptr=i32(merge_off, bs * block_size + 1), kv_chunk_size=i32(chunk_off, 1),
+        valid_off = info["block_valid_mask_offset"]
+        self.out = dict(request_indices=i32(info["request_indices_offset"], self.padded),
+                        qo_tile_indices=i32(info["qo_tile_indices_offset"], self.padded),
+                        kv_tile_indices=i32(info["kv_tile_indices_offset"], self.padded),
+                        o_indptr=i32(info["o_indptr_offset"], bs + 1),
+                        merge_indptr=i32(info["merge_indptr_offset"], bs * block_size + 1),
+                        kv_chunk_size=i32(info["kv_chunk_size_ptr_offset"], 1),
                         block_valid_mask=ws[valid_off : valid_off + self.padded])
-        self.total_rows, self.total_rows_at = int(total_rows), i32(total_rows_off, 1)
+        self.total_rows, self.total_rows_at = info["total_num_rows"], i32(info["total_num_rows_offset"], 1)
 
     def write(self, seq_lens: torch.Tensor) -> None:
         """seq_lens ``[bs]`` int64 committed lengths (kv length = seq_lens + block_size) on the device."""
@@ -233,19 +254,17 @@ class DecodeDevicePlan:
     share one workspace, as `DevicePlan`'s)."""
 
     def __init__(self, wrapper, bs: int, scratch: torch.Tensor):
-        info = [int(x) for x in wrapper._plan_info]
-        if len(info) != 10 or not info[8]:
-            raise RuntimeError(f"sglang-dflash: unexpected FlashInfer decode plan {info} (expected a CUDA-graph plan, "
-                               "FlashInfer 0.6.15's layout); the step graph cannot plan on the device")
-        padded, _, _, req_off, kvtile_off, o_off, valid_off, chunk_off, _, split = info
+        info = plan_info(wrapper, DECODE_PLAN_INFO, needs=("enable_cuda_graph",))
         ws, dev = wrapper._int_workspace_buffer, wrapper._int_workspace_buffer.device
         i32 = functools.partial(_int32_at, ws)
 
-        self.padded, self.split, self.scratch = padded, bool(split), scratch
+        padded, valid_off = info["padded_batch_size"], info["block_valid_mask_offset"]
+        self.padded, self.split, self.scratch = padded, bool(info["split_kv"]), scratch
         spare = torch.zeros(padded + bs + 1, dtype=torch.int32, device=dev)  # written by the shared kernel, not read
-        self.out = dict(request_indices=i32(req_off, padded), qo_tile_indices=spare[:padded],
-                        kv_tile_indices=i32(kvtile_off, padded), o_indptr=i32(o_off, bs + 1),
-                        merge_indptr=spare[padded:], kv_chunk_size=i32(chunk_off, 1),
+        self.out = dict(request_indices=i32(info["request_indices_offset"], padded), qo_tile_indices=spare[:padded],
+                        kv_tile_indices=i32(info["kv_tile_indices_offset"], padded),
+                        o_indptr=i32(info["o_indptr_offset"], bs + 1), merge_indptr=spare[padded:],
+                        kv_chunk_size=i32(info["kv_chunk_size_ptr_offset"], 1),
                         block_valid_mask=(ws[valid_off : valid_off + padded] if self.split
                                           else torch.zeros(padded, dtype=torch.uint8, device=dev)))
 
