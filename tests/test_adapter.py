@@ -4,6 +4,7 @@ and the carried draft state (filter/merge). The served behaviour is in test_serv
 from __future__ import annotations
 
 import collections
+import functools
 import importlib.util
 import itertools
 import os
@@ -659,6 +660,11 @@ def test_block_kv_layout_gathers_prefix_and_block_per_request():
     assert "LAYOUT OK" in out.stdout
 
 
+def _workspace_int32(ws: torch.Tensor, offset: int, n: int) -> torch.Tensor:
+    """The test's own reading of ``n`` int32 entries at byte ``offset`` of a uint8 FlashInfer workspace."""
+    return ws[offset : offset + 4 * n].view(torch.int32)
+
+
 def test_step_graph_device_plan_writes_flashinfer_workspace_at_the_plan_offsets(monkeypatch):
     """DevicePlan reads the capture-time plan's offsets (FlashInfer's PrefillPlanInfo order) and writes the split-kv
     plan of the committed lengths and the row count there, as int32 (uint8 block_valid_mask), leaving the rest of
@@ -683,9 +689,7 @@ def test_step_graph_device_plan_writes_flashinfer_workspace_at_the_plan_offsets(
     # kv 304, 5, 133: chunks of 128 make 3 + 1 + 2 > 5 items; 133 is the smallest size with 3 + 1 + 1
     assert want["kv_chunk_size"].item() == 133 and want["block_valid_mask"].sum() == 5
 
-    def i32(off, n):
-        return ws[off : off + 4 * n].view(torch.int32)
-
+    i32 = functools.partial(_workspace_int32, ws)
     assert torch.equal(i32(offsets["req"], padded), want["request_indices"])
     assert torch.equal(i32(offsets["qtile"], padded), want["qo_tile_indices"])
     assert torch.equal(i32(offsets["kvtile"], padded), want["kv_tile_indices"])
@@ -727,9 +731,7 @@ def test_step_graph_decode_plan_writes_flashinfer_workspace_at_the_plan_offsets(
     if split:  # kv 301, 2, 130 in chunks of 128: 3 + 1 + 2 items of the grid's 8
         assert want["kv_chunk_size"].item() == 128 and want["block_valid_mask"].sum() == 6
 
-    def i32(off, n):
-        return ws[off : off + 4 * n].view(torch.int32)
-
+    i32 = functools.partial(_workspace_int32, ws)
     assert torch.equal(i32(offsets["req"], padded), want["request_indices"])
     assert torch.equal(i32(offsets["kvtile"], padded), want["kv_tile_indices"])
     assert torch.equal(i32(offsets["o"], bs + 1), want["o_indptr"])
