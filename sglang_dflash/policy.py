@@ -22,7 +22,10 @@ the narrowest width's (plain decode), which every bucket measures itself: the ba
 larger bucket's, borrowed, made a smaller bucket's wide steps look cheap next to it); a width measured in neither
 is tried once (also when its time comes back steps later, as under the
 overlap schedule); every ``explore_every`` steps of a bucket the width measured longest ago is tried again, so a
-change in either the acceptance or the cost is seen. Above ``max_batch_size`` requests every step is a plain decode
+change in either the acceptance or the cost is seen, among the widths that could still win: those up to the best's
+wider neighbour (whose steps keep ``S_1`` current), and a wider one only while ``1 + (w - 1) S_1`` (an upper bound of
+``E(w)``) over the narrower widths' time (a lower bound of its own) beats the best's rate. With nothing accepted
+only the neighbour is re-measured: a wide step that cannot win costs several decode steps at a large batch. Above ``max_batch_size`` requests every step is a plain decode
 step. Plain Python (no tensors): the caller hands in accept lengths and seconds it already has on the host.
 """
 
@@ -165,16 +168,19 @@ class WidthPolicy:
             return untried[-1]
         if not measured:  # every width on trial, no time back yet
             return self.widths[-1]
-        if n % self.explore_every == 0:
-            return min(measured, key=lambda w: self.costs[(b, w)].last_step)
         s = self.survival()
-        best, best_rate, floor = measured[0], -1.0, 0.0
+        best, best_rate, floor, below = measured[0], -1.0, 0.0, {}
         for w in measured:  # narrowest first: a tie keeps the narrower width
+            below[w] = floor  # no step of width w costs less than a narrower one
             floor = max(floor, self.costs[(b, w)].seconds)  # t(bs, w) taken non-decreasing in w
             rate = sum(s[:w]) / floor
             if rate > best_rate:
                 best, best_rate = w, rate
         i = self.widths.index(best)
+        if n % self.explore_every == 0:  # E(w) <= 1 + (w - 1) S_1: re-measure only a width that could still win
+            reach = self.widths[min(i + 1, len(self.widths) - 1)]
+            open_ = [w for w in measured if w <= reach or 1 + (w - 1) * s[1] > best_rate * below[w]]
+            return min(open_, key=lambda w: self.costs[(b, w)].last_step)
         for w in self.widths[max(i - 1, 0):i + 2]:  # a neighbour of the best measured once: once more first
             cost = self.costs.get((b, w))
             if w != best and cost is not None and cost.samples == 1 and (b, w) not in self.trying:

@@ -218,6 +218,32 @@ def test_host_bound_steps_with_nothing_accepted_stay_plain_decode():
     assert wide <= 4 + 1 + 640 // p.explore_every, got["used"]
 
 
+def test_nothing_accepted_at_a_large_batch_re_measures_only_the_next_width():
+    """64 requests, nothing accepted, a verify that costs 20% of a decode step more per extra position (width 16: 4
+    decode steps; one H100, SmolLM2, 64 requests: a width-16 step is a few decode steps): over 3,000 steps the
+    policy commits >= 99% of plain decoding's tokens per second. Only width 2, whose steps keep P(accept >= 1)
+    current, is re-measured; a wider step commits at most 1 + (w - 1) P(accept >= 1) tokens, so it cannot win
+    (before, every wide width was re-measured in turn: 97.8%)."""
+    cost = lambda w: 1.0 + 0.2 * (w - 1)  # noqa: E731
+    p = WidthPolicy(16, (1, 2, 4, 8, 16))
+    got = simulate(p, 64, cost, 0.0, 3000)
+    assert got["tok_per_s"] >= 0.99 * 64 / cost(1), got
+    assert all(got["used"].get(w, 0) == 1 for w in (4, 8, 16)), got["used"]  # their first trial only
+
+
+@pytest.mark.parametrize("bs", [1, 16])
+def test_policy_finds_acceptance_that_returns(bs):
+    """600 steps with nothing accepted, then a drafter accepted 95% per position: within 200 steps the policy is
+    back at the whole block (the re-measured next width sees P(accept >= 1) rise, which reopens the wider widths; the
+    rule that re-measured every width in turn was at widths 4-8 then, at 1 request after 165 plain steps)."""
+    step_time = lambda w: 1.0 + 0.2 * (w > 1) + 0.05 * w  # noqa: E731
+    p = WidthPolicy(16, (1, 2, 4, 8, 16))
+    assert simulate(p, bs, step_time, 0.0, 600, seed=1)["used"][1] >= 580
+    simulate(p, bs, step_time, 0.95, 200, seed=2)
+    later = simulate(p, bs, step_time, 0.95, 100, seed=3)
+    assert later["used"].get(16, 0) >= 80, later["used"]
+
+
 def test_a_stalled_first_measurement_is_taken_again():
     """A host stall during a width's only measurement made it look 4x slower than it is: a width next to the best is
     measured once more before it is written off, and the smaller time counts (before, the whole block stayed
