@@ -1,7 +1,8 @@
-"""Time per decode step at one batch size: no-spec against DFLASH with nothing accepted, widths pinned.
+"""Time per decode step at given batch sizes: no-spec against DFLASH with nothing accepted, widths pinned.
 
 Each server (one at a time) gets ``--concurrency`` concurrent requests (greedy unless ``--temperature``) of
-``--new-tokens`` tokens each (``ignore_eos``), after one warm-up round; with a random draft nothing is accepted, so
+``--new-tokens`` tokens each (``ignore_eos``), after one warm-up round (comma lists of both are cells, which every
+server runs in one start-up, lowest concurrency first); with a random draft nothing is accepted, so
 every DFLASH step commits one token per request and wall time / ``--new-tokens`` is the time of one step at that
 batch size. ``w1`` pins the verify width to 1 (a plain decode step plus the draft's context K/V), ``w2`` / ``w4`` /
 ``w8`` pin those widths, ``fixed`` verifies the whole block, ``adaptive`` is the default server (the width policy
@@ -14,12 +15,14 @@ sampled requests drift apart and a pass ends on steps of its last requests).
 
     python benchmarks/bench_batch_steps.py --out DIR                  # random_checkpoints.py's tiny shape, built here
     python benchmarks/bench_batch_steps.py --target T --draft D --out DIR --concurrency 64
+    python benchmarks/bench_batch_steps.py --target T --draft TRAINED --held-out --concurrency 16,64 --temperature 0,1 \
+        --servers nospec,adaptive,w4,fixed --out DIR
 
-Prints a table (and each DFLASH server's decode steps per verify width over the timed passes) and writes
-``<out>/results.json``; ``--kernel-profile STEPS`` adds each server's GPU time per step by kernel category and its
-top kernels (SGLang's torch profiler over one more pass); ``--host-profile SECONDS`` samples the scheduler process's
+Prints a table per cell (and each DFLASH server's decode steps per verify width over the timed passes) and writes
+``<out>/results.json`` (``cells`` -> ``t0_c64`` -> ``servers`` -> name; ``startup`` per server);
+``--kernel-profile STEPS`` adds each server's GPU time per step by kernel category and its top kernels (SGLang's torch profiler over one more pass); ``--host-profile SECONDS`` samples the scheduler process's
 Python stacks with py-spy for that long under the same load, idle waits included (collapsed stacks in
-``<out>/host_<server>.txt``), and prints the functions whose share of the samples differs most from no-spec's.
+``<out>/<cell>/host_<server>.txt``), and prints the functions whose share of the samples differs most from no-spec's.
 """
 
 from __future__ import annotations
@@ -191,20 +194,98 @@ def inclusive_shares(path: Path) -> dict[str, float]:
     return {k: v / max(total, 1) for k, v in counts.items()}
 
 
+def cells_of(temperatures: str, concurrencies: str) -> list[tuple[float, int]]:
+    """``--temperature`` x ``--concurrency`` (comma lists) as (temperature, concurrency) cells, lowest concurrency
+    first: every server runs all of them in one start-up."""
+    try:
+        temps = [float(t) for t in temperatures.split(",")]
+        concs = [int(c) for c in concurrencies.split(",")]
+    except ValueError:
+        temps, concs = [-1.0], [0]
+    if min(concs) < 1 or min(temps) < 0:
+        raise SystemExit(f"--concurrency {concurrencies!r} / --temperature {temperatures!r}: give positive request "
+                         "counts and temperatures >= 0, e.g. --concurrency 16,64 --temperature 0,1")
+    return [(t, c) for c in sorted(set(concs)) for t in dict.fromkeys(temps)]
+
+
+def cell_name(temperature: float, concurrency: int) -> str:
+    return f"t{temperature:g}_c{concurrency}"
+
+
+def run_cell(server: Server, args, temperature: float, concurrency: int, prompts, out: Path) -> dict:
+    """One warm-up pass, ``args.repeats`` timed passes (and the profiles asked for) of one cell on a running server;
+    -> the cell's figures for this server."""
+    one_pass = functools.partial(load, server, concurrency, args.new_tokens, args.prompt_len, temperature,
+                                 prompts and prompts[:concurrency])
+    one_pass()  # warm-up
+    widths_before = verify_widths(server)
+    passes, accepts = zip(*[one_pass() for _ in range(args.repeats)])
+    widths = steps_between(widths_before, verify_widths(server))
+    ms = statistics.median(passes) / args.new_tokens * 1e3
+    per_step = tokens_per_step(widths, args.new_tokens, args.repeats)
+    r = {"seconds": list(passes), "ms_per_step": ms, "steps_per_width": widths,
+         "accept_length": statistics.mean(accepts) if None not in accepts else 1.0, "tokens_per_step": per_step,
+         "ms_per_decode_step": ms * per_step}
+    if args.kernel_profile:
+        trace_dir = start_kernel_profile(server, args.kernel_profile, out)
+        one_pass()
+        r["kernel_profile"] = read_kernel_profile(trace_dir, args.kernel_profile)
+    if args.host_profile:
+        host_profile(server, args.host_profile, out, one_pass)
+    spread = ", ".join(f"{s:.2f}" for s in passes)
+    print(f"{server.name} {cell_name(temperature, concurrency)}: {ms:.2f} ms per step (passes {spread} s)"
+          + (f", decode steps per verify width {widths}" if widths else ""), flush=True)
+    return r
+
+
+def report(results: dict, cell: dict, args, out: Path) -> None:
+    """The table of one cell (and its kernel / host profiles)."""
+    servers = cell["servers"]
+    ref = servers.get("nospec", {}).get("ms_per_step")
+    context = "held-out prompts" if args.held_out else f"{args.prompt_len}-token prompts"
+    print(f"\n{cell['concurrency']} concurrent requests x {args.new_tokens} tokens after {context}, "
+          f"temperature {cell['temperature']:g}, {results['device']}")
+    print("| server | ms per step (per token) | vs no-spec | accept length | tokens per batch step | "
+          "ms per batch step |\n|---|---|---|---|---|---|")
+    for name, r in servers.items():
+        ratio = f"{ref / r['ms_per_step']:.2f}x" if ref else "—"
+        print(f"| {name} | {r['ms_per_step']:.2f} | {ratio} | {r['accept_length']:.2f} | {r['tokens_per_step']:.2f} | "
+              f"{r['ms_per_decode_step']:.2f} |")
+    for name, r in servers.items():
+        prof = r.get("kernel_profile")
+        if prof is None:
+            continue
+        print("\n" + describe_kernel_profile(name, prof))
+        for k in prof.get("top_kernels", []):
+            print(f"  {k['us_per_step']:7.1f} us  {k['per_step']:5.1f}x  {k['name']}")
+    if args.host_profile and "nospec" in servers:
+        ref_shares = inclusive_shares(out / "host_nospec.txt")
+        for name in servers:
+            if name == "nospec":
+                continue
+            shares = inclusive_shares(out / f"host_{name}.txt")
+            print(f"\nhost profile, scheduler process: % of samples in each function, no-spec vs {name} "
+                  f"(largest differences)")
+            keys = sorted(set(shares) | set(ref_shares), key=lambda k: -abs(shares.get(k, 0) - ref_shares.get(k, 0)))
+            for k in keys[:40]:
+                print(f"  {100 * ref_shares.get(k, 0):5.1f} {100 * shares.get(k, 0):5.1f}  {k[:160]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default=None, help="default: a random tiny target built under --out")
     ap.add_argument("--draft", default=None, help="a draft for --target that accepts nothing (e.g. a random one)")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--concurrency", default="64", help="requests at once; a comma list runs each on every server")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=5, help="tokens per prompt (>= 2): the context each step reads")
     ap.add_argument("--held-out", action="store_true",
                     help="prompts from the held-out MT-Bench / HumanEval / GSM8K sets (chat template) instead of "
                          "synthetic ones: with a trained --draft, the steps of a real workload (a step then commits "
                          "its accepted tokens, and ms per step reads as ms per committed token)")
-    ap.add_argument("--temperature", type=float, default=0.0,
-                    help="above 0 the steps include DFLASH's sampled accept (no-spec samples too)")
+    ap.add_argument("--temperature", default="0",
+                    help="above 0 the steps include DFLASH's sampled accept (no-spec samples too); a comma list "
+                         "runs each on every server")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--servers", default="nospec,w1,fixed")
     ap.add_argument("--startup-timeout", type=float, default=600)
@@ -215,79 +296,38 @@ def main() -> None:
                     help="after the timed passes, sample the scheduler's Python stacks with py-spy for SECONDS under "
                          "the same load and compare each server's functions with no-spec's")
     args = ap.parse_args()
+    cells = cells_of(args.temperature, args.concurrency)
+    most = max(c for _, c in cells)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.target:
         target, draft = Path(args.target), Path(args.draft)
     else:
         target, draft = build("tiny", out / "models", "cuda" if torch.cuda.is_available() else "cpu")
-    prompts = held_out_prompts(target, args.concurrency) if args.held_out else None
+    prompts = held_out_prompts(target, most) if args.held_out else None
     results = {"date": time.strftime("%Y-%m-%d"), "args": vars(args),
-               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "servers": {}}
+               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "startup": {},
+               "cells": {cell_name(t, c): {"temperature": t, "concurrency": c, "servers": {}} for t, c in cells}}
     for name in args.servers.split(","):
         extra = [] if name == "nospec" else ["--speculative-adaptive-config", WIDTHS[name]]
         t0 = time.time()
         server = Server(name, target, None if name == "nospec" else draft, "sglang_dflash", out,
-                        extra=extra, flags=flags(args.concurrency))
-        one_pass = functools.partial(load, server, args.concurrency, args.new_tokens, args.prompt_len, args.temperature,
-                                     prompts)
+                        extra=extra, flags=flags(most))
         try:
             ready = server.wait(t0 + args.startup_timeout)
-            startup = startup_report(server.log.read_text(errors="replace"), time.time() - t0)
-            print(f"{name}: {describe_startup(startup)}", flush=True)
+            results["startup"][name] = startup_report(server.log.read_text(errors="replace"), time.time() - t0)
+            print(f"{name}: {describe_startup(results['startup'][name])}", flush=True)
             if not ready:
                 raise SystemExit(f"{name}: {server.error}; see {server.log}")
-            one_pass()  # warm-up
-            widths_before = verify_widths(server)
-            passes, accepts = zip(*[one_pass() for _ in range(args.repeats)])
-            widths = steps_between(widths_before, verify_widths(server))
-            if args.kernel_profile:
-                trace_dir = start_kernel_profile(server, args.kernel_profile, out)
-                one_pass()
-                profile = read_kernel_profile(trace_dir, args.kernel_profile)
-            if args.host_profile:
-                host_profile(server, args.host_profile, out, one_pass)
+            for t, c in cells:
+                cell = cell_name(t, c)
+                (out / cell).mkdir(exist_ok=True)
+                results["cells"][cell]["servers"][name] = run_cell(server, args, t, c, prompts, out / cell)
+                (out / "results.json").write_text(json.dumps(results, indent=1))
         finally:
             server.stop()
-        ms = statistics.median(passes) / args.new_tokens * 1e3
-        per_step = tokens_per_step(widths, args.new_tokens, args.repeats)
-        accept = statistics.mean(accepts) if None not in accepts else 1.0
-        results["servers"][name] = {"seconds": list(passes), "ms_per_step": ms, "steps_per_width": widths,
-                                    "accept_length": accept, "tokens_per_step": per_step,
-                                    "ms_per_decode_step": ms * per_step, "startup": startup}
-        if args.kernel_profile:
-            results["servers"][name]["kernel_profile"] = profile
-        print(f"{name}: {ms:.2f} ms per step (passes {', '.join(f'{s:.2f}' for s in passes)} s)"
-              + (f", decode steps per verify width {widths}" if widths else ""), flush=True)
-        (out / "results.json").write_text(json.dumps(results, indent=1))
-    ref = results["servers"].get("nospec", {}).get("ms_per_step")
-    context = "held-out prompts" if args.held_out else f"{args.prompt_len}-token prompts"
-    print(f"\n{args.concurrency} concurrent requests x {args.new_tokens} tokens after {context}, "
-          f"temperature {args.temperature:g}, {results['device']}")
-    print("| server | ms per step (per token) | vs no-spec | accept length | tokens per batch step | "
-          "ms per batch step |\n|---|---|---|---|---|---|")
-    for name, r in results["servers"].items():
-        ratio = f"{ref / r['ms_per_step']:.2f}x" if ref else "—"
-        print(f"| {name} | {r['ms_per_step']:.2f} | {ratio} | {r['accept_length']:.2f} | {r['tokens_per_step']:.2f} | "
-              f"{r['ms_per_decode_step']:.2f} |")
-    for name, r in results["servers"].items():
-        prof = r.get("kernel_profile")
-        if prof is None:
-            continue
-        print("\n" + describe_kernel_profile(name, prof))
-        for k in prof.get("top_kernels", []):
-            print(f"  {k['us_per_step']:7.1f} us  {k['per_step']:5.1f}x  {k['name']}")
-    if args.host_profile and "nospec" in results["servers"]:
-        ref_shares = inclusive_shares(out / "host_nospec.txt")
-        for name in results["servers"]:
-            if name == "nospec":
-                continue
-            shares = inclusive_shares(out / f"host_{name}.txt")
-            print(f"\nhost profile, scheduler process: % of samples in each function, no-spec vs {name} "
-                  f"(largest differences)")
-            keys = sorted(set(shares) | set(ref_shares), key=lambda k: -abs(shares.get(k, 0) - ref_shares.get(k, 0)))
-            for k in keys[:40]:
-                print(f"  {100 * ref_shares.get(k, 0):5.1f} {100 * shares.get(k, 0):5.1f}  {k[:160]}")
+    for t, c in cells:
+        report(results, results["cells"][cell_name(t, c)], args, out / cell_name(t, c))
 
 
 if __name__ == "__main__":

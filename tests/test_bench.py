@@ -385,3 +385,17 @@ def test_batch_step_held_out_prompts_interleave_the_three_sets_with_the_chat_tem
     metas = [{"completion_tokens": 256, "spec_verify_ct": 170}, {"completion_tokens": 256, "spec_verify_ct": 85}]
     assert steps.accept_length(metas) == pytest.approx(510 / 255)
     assert steps.accept_length([{"completion_tokens": 256}]) is None  # no-spec: no step count
+
+
+def test_batch_step_cells_run_every_temperature_at_each_concurrency_lowest_first(monkeypatch):
+    """``bench_batch_steps --concurrency 64,16 --temperature 0,1``: four cells that every server runs in one
+    start-up, the lowest concurrency first; a bad list is refused with the form to use."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    steps = _bench_module("bench_batch_steps")
+    assert steps.cells_of("0,1", "64,16") == [(0.0, 16), (1.0, 16), (0.0, 64), (1.0, 64)]
+    assert steps.cells_of("0.7", "4,4") == [(0.7, 4)]
+    assert [steps.cell_name(t, c) for t, c in steps.cells_of("0,0.5", "1")] == ["t0_c1", "t0.5_c1"]
+    with pytest.raises(SystemExit, match="--concurrency 16,64"):
+        steps.cells_of("0", "0,16")
+    with pytest.raises(SystemExit, match="temperatures >= 0"):
+        steps.cells_of("zero", "16")
