@@ -25,8 +25,8 @@ overlap schedule); every ``explore_every`` steps of a bucket the width measured 
 change in either the acceptance or the cost is seen, among the widths that could still win: those up to the best's
 wider neighbour (whose steps keep ``S_1`` current), and a wider one only while ``1 + (w - 1) S_1`` (an upper bound of
 ``E(w)``) over the narrower widths' time (a lower bound of its own) beats the best's rate. With nothing accepted
-only the neighbour is re-measured: a wide step that cannot win costs several decode steps at a large batch. Above ``max_batch_size`` requests every step is a plain decode
-step. Plain Python (no tensors): the caller hands in accept lengths and seconds it already has on the host.
+only the neighbour is re-measured: a wide step that cannot win costs several decode steps at a large batch. Above
+``max_batch_size`` requests every step is a plain decode step. Plain Python (no tensors): the caller hands in accept lengths and seconds it already has on the host.
 """
 
 from __future__ import annotations
@@ -179,8 +179,8 @@ class WidthPolicy:
         i = self.widths.index(best)
         if n % self.explore_every == 0:  # E(w) <= 1 + (w - 1) S_1: re-measure only a width that could still win
             reach = self.widths[min(i + 1, len(self.widths) - 1)]
-            open_ = [w for w in measured if w <= reach or 1 + (w - 1) * s[1] > best_rate * below[w]]
-            return min(open_, key=lambda w: self.costs[(b, w)].last_step)
+            could_win = [w for w in measured if w <= reach or 1 + (w - 1) * s[1] > best_rate * below[w]]
+            return min(could_win, key=lambda w: self.costs[(b, w)].last_step)
         for w in self.widths[max(i - 1, 0):i + 2]:  # a neighbour of the best measured once: once more first
             cost = self.costs.get((b, w))
             if w != best and cost is not None and cost.samples == 1 and (b, w) not in self.trying:
