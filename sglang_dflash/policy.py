@@ -26,7 +26,8 @@ change in either the acceptance or the cost is seen, among the widths that could
 wider neighbour (whose steps keep ``S_1`` current), and a wider one only while ``1 + (w - 1) S_1`` (an upper bound of
 ``E(w)``) over the narrower widths' time (a lower bound of its own) beats the best's rate. With nothing accepted
 only the neighbour is re-measured: a wide step that cannot win costs several decode steps at a large batch. Above
-``max_batch_size`` requests every step is a plain decode step. Plain Python (no tensors): the caller hands in accept lengths and seconds it already has on the host.
+``max_batch_size`` requests every step is a plain decode step. Plain Python (no tensors): the caller hands in
+accept lengths and seconds it already has on the host.
 """
 
 from __future__ import annotations
