@@ -20,9 +20,10 @@ sampled requests drift apart and a pass ends on steps of its last requests).
 
 Prints a table per cell (and each DFLASH server's decode steps per verify width over the timed passes) and writes
 ``<out>/results.json`` (``cells`` -> ``t0_c64`` -> ``servers`` -> name; ``startup`` per server);
-``--kernel-profile STEPS`` adds each server's GPU time per step by kernel category and its top kernels (SGLang's torch profiler over one more pass); ``--host-profile SECONDS`` samples the scheduler process's
-Python stacks with py-spy for that long under the same load, idle waits included (collapsed stacks in
-``<out>/<cell>/host_<server>.txt``), and prints the functions whose share of the samples differs most from no-spec's.
+``--kernel-profile STEPS`` adds each server's GPU time per step by kernel category and its top kernels (SGLang's
+torch profiler over one more pass); ``--host-profile SECONDS`` samples the scheduler process's Python stacks with
+py-spy for that long under the same load, idle waits included (collapsed stacks in ``<out>/<cell>/host_<server>.txt``),
+and prints the functions whose share of the samples differs most from no-spec's.
 """
 
 from __future__ import annotations
@@ -197,14 +198,15 @@ def inclusive_shares(path: Path) -> dict[str, float]:
 def cells_of(temperatures: str, concurrencies: str) -> list[tuple[float, int]]:
     """``--temperature`` x ``--concurrency`` (comma lists) as (temperature, concurrency) cells, lowest concurrency
     first: every server runs all of them in one start-up."""
+    bad = (f"--concurrency {concurrencies!r} / --temperature {temperatures!r}: give positive request counts and "
+           "temperatures >= 0, e.g. --concurrency 16,64 --temperature 0,1")
     try:
         temps = [float(t) for t in temperatures.split(",")]
         concs = [int(c) for c in concurrencies.split(",")]
     except ValueError:
-        temps, concs = [-1.0], [0]
+        raise SystemExit(bad) from None
     if min(concs) < 1 or min(temps) < 0:
-        raise SystemExit(f"--concurrency {concurrencies!r} / --temperature {temperatures!r}: give positive request "
-                         "counts and temperatures >= 0, e.g. --concurrency 16,64 --temperature 0,1")
+        raise SystemExit(bad)
     return [(t, c) for c in sorted(set(concs)) for t in dict.fromkeys(temps)]
 
 
@@ -214,7 +216,8 @@ def cell_name(temperature: float, concurrency: int) -> str:
 
 def run_cell(server: Server, args, temperature: float, concurrency: int, prompts, out: Path) -> dict:
     """One warm-up pass, ``args.repeats`` timed passes (and the profiles asked for) of one cell on a running server;
-    -> the cell's figures for this server."""
+    -> the cell's figures for this server; its profiles go to ``out``."""
+    out.mkdir(exist_ok=True)
     one_pass = functools.partial(load, server, concurrency, args.new_tokens, args.prompt_len, temperature,
                                  prompts and prompts[:concurrency])
     one_pass()  # warm-up
@@ -319,15 +322,13 @@ def main() -> None:
             print(f"{name}: {describe_startup(results['startup'][name])}", flush=True)
             if not ready:
                 raise SystemExit(f"{name}: {server.error}; see {server.log}")
-            for t, c in cells:
-                cell = cell_name(t, c)
-                (out / cell).mkdir(exist_ok=True)
-                results["cells"][cell]["servers"][name] = run_cell(server, args, t, c, prompts, out / cell)
+            for cell, r in results["cells"].items():
+                r["servers"][name] = run_cell(server, args, r["temperature"], r["concurrency"], prompts, out / cell)
                 (out / "results.json").write_text(json.dumps(results, indent=1))
         finally:
             server.stop()
-    for t, c in cells:
-        report(results, results["cells"][cell_name(t, c)], args, out / cell_name(t, c))
+    for cell, r in results["cells"].items():
+        report(results, r, args, out / cell)
 
 
 if __name__ == "__main__":
